@@ -1,0 +1,183 @@
+"""FP8 linear layer with a custom VJP, and the GEMM backend switch.
+
+``linear(x, w, cfg)`` is the one call every linear layer of fp8jax makes. What it computes depends only on the
+type of ``w`` (chosen by the recipe in ``fp8jax.quant``), never on who calls it:
+
+* plain array ``w_NxK``            -> BF16 mode: ``x . w^T`` with BF16 operands and FP32 accumulation.
+* ``FP8Weight(w_NxK)`` (training)  -> forward  Q(x)[1x128] . Q(w)[128x128]
+                                      dgrad    Q(dy)[1x128] . Q(w)^T          (dx in x's dtype)
+                                      wgrad    Q(dy^T)[1x128 over tokens] . Q(x^T)[1x128 over tokens]
+                                      (dw in FP32, the master weights' dtype; it flows to ``w``)
+* ``QWeight(q, scale)`` (sampling) -> the same forward on weights quantized beforehand by ``quantize_params``.
+  ``quantize_weight`` is deterministic, so the FP8Weight and QWeight forwards are bitwise the same computation.
+
+Outputs are ``cfg.out_dtype`` (BF16 by default). The GEMMs run on a backend: "xla" is the exact block-math
+reference in ``pallas_kernels.fp8_gemm`` (every kernel is tested against it); "pallas" is the Hopper kernel.
+"auto" picks the kernel on sm_90 GPUs and the reference elsewhere; the choice is logged once and readable through
+``backend_report()``, so a change of numerics is never silent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax import quant
+from pallas_kernels import fp8_gemm as fp8_gemm_ref
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearConfig:
+  """Static settings of ``linear`` (hashable: it is a nondiff argument of the custom VJP)."""
+
+  pow2_scales: bool = False
+  backend: str = "auto"
+  out_dtype: str = "bfloat16"
+
+  @classmethod
+  def from_recipe(cls, recipe: quant.Recipe, out_dtype: str = "bfloat16") -> "LinearConfig":
+    return cls(pow2_scales=recipe.pow2_scales, backend=recipe.gemm_backend, out_dtype=out_dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Backend switch
+# ------------------------------------------------------------------------------------------------------------------
+
+_REPORT: dict[str, str] = {}
+
+
+def _hopper_available() -> bool:
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:
+    return False
+  return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
+
+
+@functools.cache
+def _pallas_gemm():
+  from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415 (imports Mosaic GPU only when asked for)
+  return fp8_gemm_mgpu.fp8_gemm
+
+
+def resolve_backend(requested: str) -> str:
+  """'auto' | 'xla' | 'pallas' -> the backend that will run; logs the choice once per (request, result)."""
+  if requested not in ("auto", "xla", "pallas"):
+    raise ValueError(f"unknown fp8 gemm backend {requested!r} (expected 'auto', 'xla' or 'pallas')")
+  chosen, why = "xla", "requested"
+  if requested != "xla":
+    why = "no sm_90 GPU"
+    if _hopper_available():
+      try:
+        _pallas_gemm()
+        chosen, why = "pallas", "sm_90 GPU"
+      except ImportError as e:  # kernel module missing or broken: say so, never silently
+        why = f"pallas kernel unavailable ({e})"
+    if requested == "pallas" and chosen != "pallas":
+      raise RuntimeError(f"fp8.gemm_backend='pallas' cannot run here: {why}; use 'xla' or 'auto'")
+  key = f"{requested}->{chosen}"
+  if key not in _REPORT:
+    _REPORT[key] = why
+    log.warning("fp8jax: fp8 gemm backend %r resolved to %r (%s)", requested, chosen, why)
+  return chosen
+
+
+def backend_report() -> dict[str, str]:
+  """Which GEMM backends were resolved in this process, and why (for metrics and logs)."""
+  return dict(_REPORT)
+
+
+def fp8_gemm(a_q, a_s, b_q, b_s, out_dtype, backend: str = "auto") -> jax.Array:
+  """C = A . B^T on the resolved backend (see ``pallas_kernels.fp8_gemm`` for operand layouts)."""
+  if resolve_backend(backend) == "pallas":
+    return _pallas_gemm()(a_q, a_s, b_q, b_s, out_dtype=out_dtype)
+  return fp8_gemm_ref.fp8_gemm_reference(a_q, a_s, b_q, b_s, out_dtype=out_dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The linear op
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _pad_w_k(q_NxK: jax.Array) -> jax.Array:
+  return quant.pad_k(q_NxK, -1)
+
+
+def _forward_q(x_MxK, qw: quant.QWeight, cfg: LinearConfig):
+  xq, xs = quant.quantize_act(quant.pad_k(x_MxK), cfg.pow2_scales)
+  return fp8_gemm(xq, xs, _pad_w_k(qw.q), qw.scale, jnp.dtype(cfg.out_dtype), cfg.backend)
+
+
+def _dgrad(dy_MxN, qw: quant.QWeight, k: int, dtype, cfg: LinearConfig):
+  """dx = Q(dy)[1x128 over N] . Q(w)^T: B is w^T stored (K, N), i.e. K-major over N."""
+  dyq, dys = quant.quantize_act(quant.pad_k(dy_MxN), cfg.pow2_scales)
+  wt_KxN = quant.pad_k(quant.pad_k(qw.q.T, -1), 0)  # transposing 128x128 tiles keeps them 128x128 tiles
+  dx = fp8_gemm(dyq, dys, wt_KxN, qw.scale.T, jnp.dtype(dtype), cfg.backend)
+  return dx[:, :k]
+
+
+def _wgrad(dy_MxN, x_MxK, cfg: LinearConfig):
+  """dw = Q(dy^T)[1x128 over tokens] . Q(x^T)[1x128 over tokens] -> (N, K) in FP32."""
+  aq, as_ = quant.quantize_act_t(dy_MxN, cfg.pow2_scales)
+  bq, bs = quant.quantize_act_t(x_MxK, cfg.pow2_scales)
+  return fp8_gemm(aq, as_, bq, bs, jnp.float32, cfg.backend)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _linear_fp8_master(x_MxK, w_NxK, cfg: LinearConfig):
+  return _forward_q(x_MxK, quant.quantize_weight(w_NxK, cfg.pow2_scales), cfg)
+
+
+def _master_fwd(x_MxK, w_NxK, cfg):
+  qw = quant.quantize_weight(w_NxK, cfg.pow2_scales)
+  return _forward_q(x_MxK, qw, cfg), (x_MxK, qw, jnp.zeros((), w_NxK.dtype))
+
+
+def _master_bwd(cfg, res, dy_MxN):
+  x_MxK, qw, w_dtype_tag = res
+  dx = _dgrad(dy_MxN, qw, x_MxK.shape[1], x_MxK.dtype, cfg)
+  dw = _wgrad(dy_MxN, x_MxK, cfg)
+  return dx, dw.astype(w_dtype_tag.dtype)
+
+
+_linear_fp8_master.defvjp(_master_fwd, _master_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _linear_fp8_frozen(x_MxK, qw: quant.QWeight, cfg: LinearConfig):
+  return _forward_q(x_MxK, qw, cfg)
+
+
+def _frozen_fwd(x_MxK, qw, cfg):
+  # A (0, K) array of x's dtype carries K and the dtype into the backward pass at no cost.
+  return _forward_q(x_MxK, qw, cfg), (qw, jnp.zeros((0, x_MxK.shape[1]), x_MxK.dtype))
+
+
+def _frozen_bwd(cfg, res, dy_MxN):
+  qw, x_tag = res
+  return _dgrad(dy_MxN, qw, x_tag.shape[1], x_tag.dtype, cfg), jax.tree.map(jnp.zeros_like, qw)
+
+
+_linear_fp8_frozen.defvjp(_frozen_fwd, _frozen_bwd)
+
+
+def linear(x: jax.Array, w, cfg: LinearConfig = LinearConfig()) -> jax.Array:
+  """``x_...xK . w^T`` for ``w`` stored (N, K); FP8 or BF16 by the type of ``w`` (module docstring)."""
+  *lead, k = x.shape
+  if w.shape[-1] != k:
+    raise ValueError(f"linear: x has K={k} (shape {tuple(x.shape)}) but weight is {tuple(w.shape)} (stored (N, K))")
+  x_MxK = x.reshape(-1, k)
+  if isinstance(w, quant.FP8Weight):
+    y = _linear_fp8_master(x_MxK, w.w, cfg)
+  elif isinstance(w, quant.QWeight):
+    y = _linear_fp8_frozen(x_MxK, w, cfg)
+  else:
+    y = jnp.dot(x_MxK.astype(jnp.bfloat16), w.astype(jnp.bfloat16).T,
+                preferred_element_type=jnp.float32).astype(cfg.out_dtype)
+  return y.reshape(*lead, y.shape[-1])

@@ -1,0 +1,260 @@
+"""The FP8 quantizer: the only place in fp8jax where FP8 tensors are made.
+
+Format: E4M3 (``jnp.float8_e4m3fn``; finite max 448, no infinities, one NaN encoding), FP32 scales.
+
+Layouts (``K`` is always the contraction axis of the GEMM that consumes the tensor):
+
+* Activations ``x_...xK``: one scale per 1x128 group along the last axis (K).
+  ``quantize_act(x) -> (q_...xK, scale_...xKb)`` with ``Kb = K / 128``; K must be a multiple of 128
+  (``pad_k`` pads with zeros, which add exactly nothing to a dot product).
+* Weights ``w_NxK`` are stored like PyTorch / Hugging Face linear weights, ``(out, in)`` = (N, K), which is
+  also the K-major "B" layout that Hopper FP8 wgmma needs. One scale per 128x128 tile:
+  ``quantize_weight(w) -> QWeight(q_NxK, scale_NbxKb)`` with ``Nb = ceil(N/128)``, ``Kb = ceil(K/128)``;
+  a ragged last tile is computed as if zero-padded (padding never changes a block's amax), and ``q`` keeps
+  the unpadded (N, K) shape. This is exactly the DeepSeek-V3 / vLLM block-FP8 checkpoint convention:
+  ``weight`` = q (out, in) E4M3, ``weight_scale_inv`` = scale (ceil(out/128), ceil(in/128)) FP32,
+  dequantized weight = q * scale (broadcast over each tile).
+* Transposed quantization for the weight-gradient GEMM (dW = dY^T X contracts over tokens):
+  ``quantize_act_t(x_MxK) -> (q_KxM, scale_KxMb)``, i.e. 1x128 groups along the token axis, M zero-padded
+  to a multiple of 128.
+
+Numerics (the contract in DESIGN.md):
+
+* ``scale = max(amax, AMAX_FLOOR) / 448`` in FP32, amax over the finite values of the block; the floor makes an
+  all-zero block quantize to exact zeros. With ``pow2=True`` the scale is rounded *up* to a power of two
+  (``2**ceil(log2(amax/448))``, as E8M0 scale formats do), so ``|x / scale| <= 448`` still holds.
+* ``q = cast_e4m3(clip(x / scale, -448, 448))``, round to nearest even.
+* Non-finite values are never hidden: NaN stays NaN, and +-inf becomes NaN too (E4M3fn has no infinity;
+  saturating an overflow to a finite value would hide the bug that produced it). Finite neighbours of a
+  non-finite value are quantized normally, because amax ignores non-finite values.
+* Round trip: ``|x - dequant(q)| <= max(|x| * 2**-4, scale * 2**-10)`` per element (3 mantissa bits: half an
+  ulp is 2**-4 of the value for normal E4M3 numbers; the subnormal step is 2**-9 * scale), plus FP32 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+FP8_DTYPE = jnp.float8_e4m3fn
+E4M3_MAX = 448.0
+BLOCK = 128
+# Below this amax a block is treated as all-zero (its values quantize to +-0 or tiny subnormals).
+AMAX_FLOOR = 1e-30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QWeight:
+  """A 128x128 block-quantized weight: E4M3 ``q_NxK`` and FP32 ``scale_NbxKb`` (dequant = q * scale)."""
+
+  q: jax.Array
+  scale: jax.Array
+
+  @property
+  def shape(self):
+    return self.q.shape
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    return dequantize_weight(self, dtype)
+
+
+def _scale_from_amax(amax: jax.Array, pow2: bool) -> jax.Array:
+  amax = jnp.maximum(amax.astype(jnp.float32), AMAX_FLOOR)
+  scale = amax / E4M3_MAX
+  if pow2:
+    # Round the exponent up: frexp gives scale = m * 2**e with m in [0.5, 1); m == 0.5 is already a power of 2.
+    m, e = jnp.frexp(scale)
+    scale = jnp.ldexp(jnp.ones_like(scale), jnp.where(m == 0.5, e - 1, e))
+  return scale
+
+
+def _finite_amax(x_blocks: jax.Array, axes) -> jax.Array:
+  x = x_blocks.astype(jnp.float32)
+  return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), axis=axes)
+
+
+def _to_e4m3(x_scaled: jax.Array) -> jax.Array:
+  clipped = jnp.clip(x_scaled, -E4M3_MAX, E4M3_MAX)
+  return jnp.where(jnp.isfinite(x_scaled), clipped, jnp.nan).astype(FP8_DTYPE)
+
+
+def _check_multiple(dim: int, what: str):
+  if dim % BLOCK:
+    raise ValueError(f"{what} = {dim} must be a multiple of {BLOCK} for 1x{BLOCK} FP8 groups "
+                     f"(pad it with fp8jax.quant.pad_k, which adds zeros)")
+
+
+def pad_k(x: jax.Array, axis: int = -1) -> jax.Array:
+  """Zero-pads ``axis`` to a multiple of 128 (zeros contribute exactly nothing to a dot product)."""
+  axis = axis % x.ndim
+  pad = (-x.shape[axis]) % BLOCK
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths)
+
+
+def quantize_act(x: jax.Array, pow2: bool = False) -> tuple[jax.Array, jax.Array]:
+  """1x128 groups along the last axis: ``x_...xK -> (q_...xK, scale_...xKb)``."""
+  *lead, k = x.shape
+  _check_multiple(k, f"activation contraction dim (shape {tuple(x.shape)}, last axis)")
+  xb = x.reshape(*lead, k // BLOCK, BLOCK)
+  scale = _scale_from_amax(_finite_amax(xb, -1), pow2)
+  q = _to_e4m3(xb.astype(jnp.float32) / scale[..., None])
+  return q.reshape(x.shape), scale
+
+
+def quantize_act_t(x_MxK: jax.Array, pow2: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Transposed quantization for wgrad: ``x_MxK -> (q_KxMp, scale_KxMb)``, groups along tokens (M zero-padded)."""
+  if x_MxK.ndim != 2:
+    raise ValueError(f"quantize_act_t takes a 2-D (tokens, features) array, got shape {tuple(x_MxK.shape)}")
+  return quantize_act(pad_k(x_MxK.T), pow2)
+
+
+def dequantize_act(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+  *lead, k = q.shape
+  xb = q.astype(jnp.float32).reshape(*lead, k // BLOCK, BLOCK) * scale[..., None]
+  return xb.reshape(q.shape).astype(dtype)
+
+
+def quantize_weight(w_NxK: jax.Array, pow2: bool = False) -> QWeight:
+  """128x128 tiles: ``w_NxK -> QWeight(q_NxK, scale_NbxKb)``; leading dims (e.g. stacked experts) allowed."""
+  *lead, n, k = w_NxK.shape
+  nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+  wp = pad_k(pad_k(w_NxK, -1), -2).astype(jnp.float32)
+  tiles = wp.reshape(*lead, nb, BLOCK, kb, BLOCK)
+  scale = _scale_from_amax(_finite_amax(tiles, (-3, -1)), pow2)
+  q = _to_e4m3(tiles / scale[..., :, None, :, None]).reshape(wp.shape)
+  return QWeight(q=q[..., :n, :k], scale=scale)
+
+
+def expand_weight_scale(scale_NbxKb: jax.Array, n: int, k: int) -> jax.Array:
+  """Per-element scale (N, K) of a 128x128-tiled weight."""
+  s = jnp.repeat(jnp.repeat(scale_NbxKb, BLOCK, axis=-2), BLOCK, axis=-1)
+  return s[..., :n, :k]
+
+
+def dequantize_weight(w: QWeight, dtype=jnp.float32) -> jax.Array:
+  *_, n, k = w.q.shape
+  return (w.q.astype(jnp.float32) * expand_weight_scale(w.scale, n, k)).astype(dtype)
+
+
+def roundtrip_bound(x: jax.Array, scale_per_elem: jax.Array) -> jax.Array:
+  """Per-element error bound of quantize->dequantize (module docstring), with FP32 slack."""
+  x = jnp.abs(x.astype(jnp.float32))
+  return jnp.maximum(x * 2.0**-4, scale_per_elem * 2.0**-10) * (1 + 2.0**-20) + 1e-37
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Recipes: which parameters become FP8.
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """How a model's linear layers are quantized. Built from the config's ``fp8`` group by ``Recipe.from_config``.
+
+  mode: "fp8" (block FP8 GEMMs) or "bf16" (no quantization; same call sites).
+  keep_first_n / keep_last_n: decoder layers kept in BF16 at either end (NeMo RL's recipe allows this).
+  keep_patterns: fnmatch patterns over parameter paths ("layers/3/wo", "*/w_down") kept in BF16.
+  pow2_scales: round scales up to powers of two.
+  kv_cache: "bf16" or "fp8" (rollout KV cache; training applies the same K/V quantization when "fp8").
+  gemm_backend: "auto" (Pallas kernel on sm_90, XLA reference elsewhere), "xla" or "pallas".
+  Embeddings, norms and the output head are never quantized (``lm_head`` can be opted in with quantize_lm_head).
+  """
+
+  mode: str = "fp8"
+  keep_first_n: int = 0
+  keep_last_n: int = 0
+  keep_patterns: tuple[str, ...] = ()
+  pow2_scales: bool = False
+  kv_cache: str = "bf16"
+  gemm_backend: str = "auto"
+  quantize_lm_head: bool = False
+
+  def __post_init__(self):
+    if self.mode not in ("fp8", "bf16"):
+      raise ValueError(f"fp8.mode must be 'fp8' or 'bf16', got {self.mode!r}")
+    if self.kv_cache not in ("fp8", "bf16"):
+      raise ValueError(f"fp8.kv_cache must be 'fp8' or 'bf16', got {self.kv_cache!r}")
+    if self.gemm_backend not in ("auto", "xla", "pallas"):
+      raise ValueError(f"fp8.gemm_backend must be 'auto', 'xla' or 'pallas', got {self.gemm_backend!r}")
+    if self.keep_first_n < 0 or self.keep_last_n < 0:
+      raise ValueError("fp8.keep_first_n and fp8.keep_last_n must be >= 0")
+
+  @classmethod
+  def from_config(cls, c: Any) -> "Recipe":
+    d = dict(c)
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise ValueError(f"unknown fp8 config keys: {sorted(unknown)}")
+    if "keep_patterns" in d:
+      d["keep_patterns"] = tuple(d["keep_patterns"])
+    return cls(**d)
+
+  def selects(self, path: str, layer: int | None, num_layers: int) -> bool:
+    """Whether the linear weight at ``path`` (in decoder layer ``layer``, or None) is quantized to FP8."""
+    if self.mode != "fp8":
+      return False
+    if layer is not None and (layer < self.keep_first_n or layer >= num_layers - self.keep_last_n):
+      return False
+    return not any(fnmatch.fnmatchcase(path, p) for p in self.keep_patterns)
+
+
+# Linear weights of the model (the names used in fp8jax.model params); everything else stays BF16/FP32.
+LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def _walk_linear(params: dict, recipe: Recipe, fn):
+  """Applies ``fn(w)`` to every linear weight ``recipe`` selects; returns a new tree with the same structure."""
+  layers = params["layers"]
+  out = dict(params)
+  out["layers"] = [
+      {name: (fn(w) if name in LINEAR_NAMES and recipe.selects(f"layers/{i}/{name}", i, len(layers)) else w)
+       for name, w in layer.items()}
+      for i, layer in enumerate(layers)
+  ]
+  if "lm_head" in params and recipe.quantize_lm_head and recipe.selects("lm_head", None, len(layers)):
+    out["lm_head"] = fn(params["lm_head"])
+  return out
+
+
+def quantize_params(params: dict, recipe: Recipe) -> dict:
+  """Master params -> the same tree with every selected linear weight replaced by a ``QWeight``.
+
+  This is what the sampler, the reference policy and the FP8 export run on; the trainer's forward quantizes the
+  same weights with the same ``quantize_weight`` inside ``fp8jax.ops.linear`` (see ``mark_fp8``), so both agree.
+  """
+  return _walk_linear(params, recipe, lambda w: quantize_weight(w, recipe.pow2_scales))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FP8Weight:
+  """A master weight that ``fp8jax.ops.linear`` quantizes on the fly (training: its gradient reaches ``w``)."""
+
+  w: jax.Array
+
+  @property
+  def shape(self):
+    return self.w.shape
+
+
+def mark_fp8(params: dict, recipe: Recipe) -> dict:
+  """Master params -> tree where each selected linear weight is wrapped in ``FP8Weight`` (differentiable)."""
+  return _walk_linear(params, recipe, FP8Weight)
+
+
+def is_fp8_leaf(x) -> bool:
+  return isinstance(x, (QWeight, FP8Weight))
+
+
+def num_blocks(d: int) -> int:
+  return math.ceil(d / BLOCK)

@@ -1,0 +1,64 @@
+"""Block-scaled FP8 GEMM ``C = A . B^T`` and its plain-jnp reference.
+
+Operands (K is the contraction axis; both operands are K-major, as Hopper FP8 wgmma needs):
+  a_q_MxK  E4M3, a_s_MxKb   FP32 — one scale per 1x128 group of A's rows (activations).
+  b_q_NxK  E4M3, b_s        FP32 — either (Nb, Kb): one scale per 128x128 tile (weights; fwd/dgrad GEMMs),
+                                   or (N, Kb): one scale per 1x128 group (the wgrad GEMM, both operands per-token).
+Math (the numerics contract): for each 128-wide K block kb, in increasing kb order,
+  C[m, n] += dot(a_q[m, kb], b_q[n, kb]) * (a_s[m, kb] * b_s[n', kb])
+with the block dot accumulated in FP32 and never split over K. Each output row therefore depends only on its own
+row of A: the result is batch invariant.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+BLOCK = 128
+
+
+def expand_b_scale(b_s: jax.Array, n: int) -> jax.Array:
+  """(Nb, Kb) tile scales or (N, Kb) row scales -> (N, Kb) row scales."""
+  if b_s.shape[0] == n:
+    return b_s
+  if b_s.shape[0] == -(-n // BLOCK):
+    return jnp.repeat(b_s, BLOCK, axis=0)[:n]
+  raise ValueError(f"B scale shape {tuple(b_s.shape)} fits neither (N, Kb) nor (ceil(N/128), Kb) for N={n}")
+
+
+def check_operands(a_q, a_s, b_q, b_s):
+  """Shape/dtype checks shared by the reference and the kernels; raises with the offending shapes."""
+  if a_q.ndim != 2 or b_q.ndim != 2:
+    raise ValueError(f"fp8 gemm takes 2-D operands, got A {a_q.shape} and B {b_q.shape}")
+  (m, k), (n, k2) = a_q.shape, b_q.shape
+  if k != k2:
+    raise ValueError(f"contraction dims differ: A {a_q.shape} vs B {b_q.shape} (B is stored (N, K))")
+  if k % BLOCK:
+    raise ValueError(f"K = {k} must be a multiple of {BLOCK} (A {a_q.shape}); zero-pad with fp8jax.quant.pad_k")
+  if a_s.shape != (m, k // BLOCK):
+    raise ValueError(f"A scale must be (M, K/128) = {(m, k // BLOCK)}, got {tuple(a_s.shape)}")
+  if b_s.ndim != 2 or b_s.shape[1] != k // BLOCK or b_s.shape[0] not in (n, -(-n // BLOCK)):
+    raise ValueError(f"B scale must be (N, K/128) or (ceil(N/128), K/128) for B {b_q.shape}, got {b_s.shape}")
+  for name, t in (("A", a_q), ("B", b_q)):
+    if t.dtype != jnp.float8_e4m3fn:
+      raise ValueError(f"{name} must be float8_e4m3fn, got {t.dtype}")
+
+
+def fp8_gemm_reference(a_q_MxK, a_s_MxKb, b_q_NxK, b_s, out_dtype=jnp.bfloat16):
+  """Exact block math in plain XLA: per-K-block FP32 dots of the upcast E4M3 values, scaled, summed in order."""
+  check_operands(a_q_MxK, a_s_MxKb, b_q_NxK, b_s)
+  (m, k), n = a_q_MxK.shape, b_q_NxK.shape[0]
+  kb = k // BLOCK
+  a_KbxMx128 = a_q_MxK.astype(jnp.float32).reshape(m, kb, BLOCK).transpose(1, 0, 2)
+  b_KbxNx128 = b_q_NxK.astype(jnp.float32).reshape(n, kb, BLOCK).transpose(1, 0, 2)
+  bs_KbxN = expand_b_scale(b_s, n).astype(jnp.float32).T
+  as_KbxM = a_s_MxKb.astype(jnp.float32).T
+
+  def block(acc_MxN, xs):
+    a, b, sa, sb = xs
+    part = jnp.dot(a, b.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return acc_MxN + part * (sa[:, None] * sb[None, :]), None
+
+  acc, _ = jax.lax.scan(block, jnp.zeros((m, n), jnp.float32), (a_KbxMx128, b_KbxNx128, as_KbxM, bs_KbxN))
+  return acc.astype(out_dtype)
