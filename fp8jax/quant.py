@@ -20,7 +20,7 @@ Layouts (``K`` is always the contraction axis of the GEMM that consumes the tens
 
 Numerics (the contract in DESIGN.md):
 
-* ``scale = max(amax, AMAX_FLOOR) / 448`` in FP32, amax over the finite values of the block; the floor makes an
+* ``scale = max(amax, AMAX_FLOOR) * fp32(1/448)`` in FP32 (the reciprocal, see INV_E4M3_MAX), amax over the finite values of the block; the floor makes an
   all-zero block quantize to exact zeros. With ``pow2=True`` the scale is rounded *up* to a power of two
   (``2**ceil(log2(amax/448))``, as E8M0 scale formats do), so ``|x / scale| <= 448`` still holds.
 * ``q = cast_e4m3(clip(x / scale, -448, 448))``, round to nearest even.
@@ -40,12 +40,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 FP8_DTYPE = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
 BLOCK = 128
 # Below this amax a block is treated as all-zero (its values quantize to +-0 or tiny subnormals).
 AMAX_FLOOR = 1e-30
+# scale = amax * INV_E4M3_MAX. XLA rewrites a division by a constant into a multiplication by its FP32 reciprocal,
+# so we define the scale that way everywhere (XLA, Pallas kernels, NumPy references) to get the same bits.
+INV_E4M3_MAX = float(np.float32(1.0) / np.float32(E4M3_MAX))
 
 
 @jax.tree_util.register_dataclass
@@ -66,7 +70,7 @@ class QWeight:
 
 def _scale_from_amax(amax: jax.Array, pow2: bool) -> jax.Array:
   amax = jnp.maximum(amax.astype(jnp.float32), AMAX_FLOOR)
-  scale = amax / E4M3_MAX
+  scale = amax * jnp.float32(INV_E4M3_MAX)
   if pow2:
     # Round the exponent up: frexp gives scale = m * 2**e with m in [0.5, 1); m == 0.5 is already a power of 2.
     m, e = jnp.frexp(scale)

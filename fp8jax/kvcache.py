@@ -1,0 +1,109 @@
+"""KV cache for the sampler (BF16 or FP8 E4M3), and the K/V quantization the trainer shares with it.
+
+Layout: per decoder layer, ``k`` and ``v`` are (slots, max_len, n_kv_heads, head_dim); slot ``j`` of a row holds
+the key/value of the token at position ``j`` (post-RoPE keys). A query at position ``p`` attends slots ``j <= p``.
+
+FP8 cache: one FP32 scale per layer for K and one for V (per-tensor, as vLLM's FP8 KV cache). On write the values
+are quantized with ``quantize_kv``; attention reads ``dequantize_kv``. When the rollout uses an FP8 cache, the
+training forward applies ``fake_quant_kv`` with the same scales (straight-through gradient), which produces the
+very values the sampler's attention reads, so sampler and trainer still agree.
+
+Scale statistic (documented contract, used by the RL loop): ``scale = margin * amax / 448`` where ``amax`` is the
+largest |K| (resp. |V|) of that layer seen in the last calibration pass (the previous training step's forward, or
+a BF16 prefill of the prompts before the first training step) and ``margin`` (config ``rollout.kv_scale_margin``,
+default 1.25) leaves headroom for values larger than those seen; larger values saturate at +-448 * scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax import quant
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  k: list  # per layer (B, S, Hkv, hd), bf16 or float8_e4m3fn
+  v: list
+  k_scale_L: jax.Array  # (L,) FP32; ones for a BF16 cache
+  v_scale_L: jax.Array
+
+  @property
+  def is_fp8(self) -> bool:
+    return self.k[0].dtype == quant.FP8_DTYPE
+
+  @property
+  def max_len(self) -> int:
+    return self.k[0].shape[1]
+
+  @property
+  def slots(self) -> int:
+    return self.k[0].shape[0]
+
+
+def cache_bytes(n_layers: int, slots: int, max_len: int, n_kv_heads: int, head_dim: int, fp8: bool) -> int:
+  return 2 * n_layers * slots * max_len * n_kv_heads * head_dim * (1 if fp8 else 2)
+
+
+def init_cache(n_layers: int, slots: int, max_len: int, n_kv_heads: int, head_dim: int, *, fp8: bool,
+               k_scale_L=None, v_scale_L=None, dtype=jnp.bfloat16) -> KVCache:
+  dt = quant.FP8_DTYPE if fp8 else dtype
+  shape = (slots, max_len, n_kv_heads, head_dim)
+  ones = jnp.ones((n_layers,), jnp.float32)
+  return KVCache(k=[jnp.zeros(shape, dt) for _ in range(n_layers)], v=[jnp.zeros(shape, dt) for _ in range(n_layers)],
+                 k_scale_L=ones if k_scale_L is None else jnp.asarray(k_scale_L, jnp.float32),
+                 v_scale_L=ones if v_scale_L is None else jnp.asarray(v_scale_L, jnp.float32))
+
+
+def scales_from_amax(amax_L: jax.Array, margin: float) -> jax.Array:
+  """Per-layer FP8 KV scale from an observed amax (see module docstring)."""
+  return jnp.maximum(margin * amax_L.astype(jnp.float32), quant.AMAX_FLOOR) * jnp.float32(quant.INV_E4M3_MAX)
+
+
+def quantize_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
+  x32 = x.astype(jnp.float32) / scale
+  return jnp.where(jnp.isfinite(x32), jnp.clip(x32, -quant.E4M3_MAX, quant.E4M3_MAX), jnp.nan).astype(quant.FP8_DTYPE)
+
+
+def dequantize_kv(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+  return (q.astype(jnp.float32) * scale).astype(dtype)
+
+
+@jax.custom_vjp
+def fake_quant_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
+  """dequantize_kv(quantize_kv(x)) in x's dtype, with a straight-through gradient for x."""
+  return dequantize_kv(quantize_kv(x, scale), scale, x.dtype)
+
+
+def _fq_fwd(x, scale):
+  return fake_quant_kv(x, scale), scale
+
+
+def _fq_bwd(scale, g):
+  return g, jnp.zeros_like(scale)
+
+
+fake_quant_kv.defvjp(_fq_fwd, _fq_bwd)
+
+
+def write(cache_BxSxHxD: jax.Array, new_BxTxHxD: jax.Array, positions_BxT: jax.Array) -> jax.Array:
+  """Writes each row's new entries at their positions (positions >= max_len are dropped)."""
+  b_idx = jnp.arange(new_BxTxHxD.shape[0])[:, None]
+  return cache_BxSxHxD.at[b_idx, positions_BxT].set(new_BxTxHxD.astype(cache_BxSxHxD.dtype), mode="drop")
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def copy_rows(cache: KVCache, src: KVCache, dst_rows: jax.Array, src_rows: jax.Array) -> KVCache:
+  """cache[dst_rows, :S_src] = src[src_rows] for every layer (prompt sharing: one prefill, n samples)."""
+  s = src.max_len
+
+  def cp(dst, srcl):
+    return dst.at[dst_rows, :s].set(srcl[src_rows].astype(dst.dtype))
+
+  return dataclasses.replace(cache, k=[cp(d, x) for d, x in zip(cache.k, src.k)],
+                             v=[cp(d, x) for d, x in zip(cache.v, src.v)])

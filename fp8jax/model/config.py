@@ -1,0 +1,73 @@
+"""ModelConfig: the one conversion point from a config group to what model code sees."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fp8jax.quant import BLOCK
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A Llama-3.x / Qwen3-dense decoder. Linear weights are stored (out, in), like PyTorch and HF checkpoints."""
+
+  vocab_size: int
+  dim: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  ffn_dim: int
+  norm_eps: float = 1e-5
+  rope_theta: float = 500000.0
+  # Llama-3 frequency scaling (HF rope_scaling with rope_type "llama3"): (factor, low_freq_factor,
+  # high_freq_factor, original_max_position_embeddings), or None for plain RoPE.
+  rope_scaling: tuple[float, float, float, int] | None = None
+  tie_embeddings: bool = False
+  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+  max_seq_len: int = 8192
+  dtype: str = "bfloat16"  # activation / compute dtype; master params are float32
+  remat: bool = False  # rematerialize each decoder layer in the backward pass
+
+  def __post_init__(self):
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+
+  @property
+  def q_dim(self) -> int:
+    return self.n_heads * self.head_dim
+
+  @property
+  def kv_dim(self) -> int:
+    return self.n_kv_heads * self.head_dim
+
+  def fp8_shape_problems(self) -> list[str]:
+    """Dimensions that FP8 GEMMs would have to zero-pad (not multiples of 128); empty when all are aligned."""
+    dims = {"dim": self.dim, "ffn_dim": self.ffn_dim, "q_dim (n_heads*head_dim)": self.q_dim,
+            "kv_dim (n_kv_heads*head_dim)": self.kv_dim}
+    return [f"model.{k}={v}" for k, v in dims.items() if v % BLOCK]
+
+  @classmethod
+  def from_config(cls, c: Any) -> "ModelConfig":
+    d = dict(c)
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise ValueError(f"unknown model config keys: {sorted(unknown)}")
+    if d.get("rope_scaling") is not None:
+      d["rope_scaling"] = tuple(d["rope_scaling"])
+    return cls(**d)
+
+
+def num_params(cfg: ModelConfig) -> int:
+  """Parameter count of the decoder (embedding and, if untied, the output head included)."""
+  attn = cfg.dim * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.dim
+  mlp = 3 * cfg.dim * cfg.ffn_dim
+  norms = 2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0)
+  emb = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
+  return cfg.n_layers * (attn + mlp + norms) + cfg.dim + emb
