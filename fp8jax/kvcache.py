@@ -17,7 +17,6 @@ default 1.25) leaves headroom for values larger than those seen; larger values s
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +55,8 @@ def init_cache(n_layers: int, slots: int, max_len: int, n_kv_heads: int, head_di
   shape = (slots, max_len, n_kv_heads, head_dim)
   ones = jnp.ones((n_layers,), jnp.float32)
   return KVCache(k=[jnp.zeros(shape, dt) for _ in range(n_layers)], v=[jnp.zeros(shape, dt) for _ in range(n_layers)],
-                 k_scale_L=ones if k_scale_L is None else jnp.asarray(k_scale_L, jnp.float32),
-                 v_scale_L=ones if v_scale_L is None else jnp.asarray(v_scale_L, jnp.float32))
+                 k_scale_L=ones if k_scale_L is None else jnp.array(k_scale_L, jnp.float32, copy=True),
+                 v_scale_L=ones if v_scale_L is None else jnp.array(v_scale_L, jnp.float32, copy=True))
 
 
 def scales_from_amax(amax_L: jax.Array, margin: float) -> jax.Array:
@@ -66,8 +65,7 @@ def scales_from_amax(amax_L: jax.Array, margin: float) -> jax.Array:
 
 
 def quantize_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
-  x32 = x.astype(jnp.float32) / scale
-  return jnp.where(jnp.isfinite(x32), jnp.clip(x32, -quant.E4M3_MAX, quant.E4M3_MAX), jnp.nan).astype(quant.FP8_DTYPE)
+  return quant.to_e4m3(x.astype(jnp.float32) * quant.reciprocal(scale))
 
 
 def dequantize_kv(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
@@ -95,15 +93,3 @@ def write(cache_BxSxHxD: jax.Array, new_BxTxHxD: jax.Array, positions_BxT: jax.A
   """Writes each row's new entries at their positions (positions >= max_len are dropped)."""
   b_idx = jnp.arange(new_BxTxHxD.shape[0])[:, None]
   return cache_BxSxHxD.at[b_idx, positions_BxT].set(new_BxTxHxD.astype(cache_BxSxHxD.dtype), mode="drop")
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def copy_rows(cache: KVCache, src: KVCache, dst_rows: jax.Array, src_rows: jax.Array) -> KVCache:
-  """cache[dst_rows, :S_src] = src[src_rows] for every layer (prompt sharing: one prefill, n samples)."""
-  s = src.max_len
-
-  def cp(dst, srcl):
-    return dst.at[dst_rows, :s].set(srcl[src_rows].astype(dst.dtype))
-
-  return dataclasses.replace(cache, k=[cp(d, x) for d, x in zip(cache.k, src.k)],
-                             v=[cp(d, x) for d, x in zip(cache.v, src.v)])

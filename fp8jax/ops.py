@@ -178,6 +178,5 @@ def linear(x: jax.Array, w, cfg: LinearConfig = LinearConfig()) -> jax.Array:
   elif isinstance(w, quant.QWeight):
     y = _linear_fp8_frozen(x_MxK, w, cfg)
   else:
-    y = jnp.dot(x_MxK.astype(jnp.bfloat16), w.astype(jnp.bfloat16).T,
-                preferred_element_type=jnp.float32).astype(cfg.out_dtype)
+    y = fp8_gemm_ref.invariant_dot(x_MxK.astype(jnp.bfloat16), w.astype(jnp.bfloat16)).astype(cfg.out_dtype)
   return y.reshape(*lead, y.shape[-1])

@@ -23,7 +23,8 @@ Numerics (the contract in DESIGN.md):
 * ``scale = max(amax, AMAX_FLOOR) * fp32(1/448)`` in FP32 (the reciprocal, see INV_E4M3_MAX), amax over the finite values of the block; the floor makes an
   all-zero block quantize to exact zeros. With ``pow2=True`` the scale is rounded *up* to a power of two
   (``2**ceil(log2(amax/448))``, as E8M0 scale formats do), so ``|x / scale| <= 448`` still holds.
-* ``q = cast_e4m3(clip(x / scale, -448, 448))``, round to nearest even.
+* ``q = cast_e4m3(clip(x * (1 / scale), -448, 448))``, round to nearest even (see ``reciprocal`` for why the
+  reciprocal is explicit).
 * Non-finite values are never hidden: NaN stays NaN, and +-inf becomes NaN too (E4M3fn has no infinity;
   saturating an overflow to a finite value would hide the bug that produced it). Finite neighbours of a
   non-finite value are quantized normally, because amax ignores non-finite values.
@@ -83,9 +84,30 @@ def _finite_amax(x_blocks: jax.Array, axes) -> jax.Array:
   return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), axis=axes)
 
 
-def _to_e4m3(x_scaled: jax.Array) -> jax.Array:
-  clipped = jnp.clip(x_scaled, -E4M3_MAX, E4M3_MAX)
-  return jnp.where(jnp.isfinite(x_scaled), clipped, jnp.nan).astype(FP8_DTYPE)
+def reciprocal(scale: jax.Array) -> jax.Array:
+  """1 / scale in FP32. Values are quantized as ``x * reciprocal(scale)``, never ``x / scale``.
+
+  XLA's algebraic simplifier rewrites ``x / broadcast(s)`` into ``x * broadcast(1 / s)`` in some fusions and not
+  in others, which changes the rounding of midpoint values (seen: -25.000002 vs -25.0 -> E4M3 -26 vs -24 between
+  two compilations of the same K/V quantization). Writing the multiplication ourselves makes every program (and
+  every kernel and NumPy reference) compute the same bits.
+  """
+  return jnp.float32(1.0) / scale.astype(jnp.float32)
+
+
+def to_e4m3(x_scaled: jax.Array) -> jax.Array:
+  """Clip to +-448 and round to E4M3 (nearest even); non-finite -> NaN.
+
+  The rounding is done in FP32 arithmetic (exact: scaling by powers of two and ``round``), so the final cast only
+  changes the storage type. A plain FP32 -> FP8 cast is not safe to rely on: XLA:CPU lowers some FP8 converts
+  through FP16, a double rounding that disagrees with the direct cast on rare midpoint values — and then a
+  fused decode step and the trainer would quantize the same value differently.
+  """
+  x = jnp.clip(x_scaled.astype(jnp.float32), -E4M3_MAX, E4M3_MAX)
+  _, e = jnp.frexp(x)  # |x| = m * 2**e, m in [0.5, 1): the ulp of E4M3 (3 mantissa bits) there is 2**(e - 4)
+  ulp_exp = jnp.maximum(e - 4, -9)  # subnormals (|x| < 2**-6) share the fixed step 2**-9
+  x = jnp.ldexp(jnp.round(jnp.ldexp(x, -ulp_exp)), ulp_exp)
+  return jnp.where(jnp.isfinite(x_scaled), x, jnp.nan).astype(FP8_DTYPE)
 
 
 def _check_multiple(dim: int, what: str):
@@ -111,7 +133,7 @@ def quantize_act(x: jax.Array, pow2: bool = False) -> tuple[jax.Array, jax.Array
   _check_multiple(k, f"activation contraction dim (shape {tuple(x.shape)}, last axis)")
   xb = x.reshape(*lead, k // BLOCK, BLOCK)
   scale = _scale_from_amax(_finite_amax(xb, -1), pow2)
-  q = _to_e4m3(xb.astype(jnp.float32) / scale[..., None])
+  q = to_e4m3(xb.astype(jnp.float32) * reciprocal(scale)[..., None])
   return q.reshape(x.shape), scale
 
 
@@ -135,7 +157,7 @@ def quantize_weight(w_NxK: jax.Array, pow2: bool = False) -> QWeight:
   wp = pad_k(pad_k(w_NxK, -1), -2).astype(jnp.float32)
   tiles = wp.reshape(*lead, nb, BLOCK, kb, BLOCK)
   scale = _scale_from_amax(_finite_amax(tiles, (-3, -1)), pow2)
-  q = _to_e4m3(tiles / scale[..., :, None, :, None]).reshape(wp.shape)
+  q = to_e4m3(tiles * reciprocal(scale)[..., :, None, :, None]).reshape(wp.shape)
   return QWeight(q=q[..., :n, :k], scale=scale)
 
 

@@ -45,6 +45,26 @@ def check_operands(a_q, a_s, b_q, b_s):
       raise ValueError(f"{name} must be float8_e4m3fn, got {t.dtype}")
 
 
+ROW_TILE = 16
+
+
+def invariant_dot(a_MxK, b_NxK):
+  """FP32-accumulated a . b^T whose rows do not depend on M (batch invariance, also on XLA:CPU).
+
+  XLA:CPU picks its matmul blocking from all three dims, so the same row can round differently at another M
+  (seen for bf16 (56, 512) x (512, 256) vs (28, 512)). On CPU we therefore run a batch of fixed-shape
+  (ROW_TILE, K) x (K, N) products: every row goes through the same code whatever M is. Other platforms get a
+  plain dot (on GPUs the Pallas kernels provide the invariance).
+  """
+  m, k = a_MxK.shape
+  if jax.default_backend() != "cpu":
+    return jnp.dot(a_MxK, b_NxK.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  mp = -(-m // ROW_TILE) * ROW_TILE
+  a = jnp.pad(a_MxK, ((0, mp - m), (0, 0))).reshape(mp // ROW_TILE, ROW_TILE, k)
+  out = jnp.einsum("itk,nk->itn", a, b_NxK, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  return out.reshape(mp, -1)[:m]
+
+
 def fp8_gemm_reference(a_q_MxK, a_s_MxKb, b_q_NxK, b_s, out_dtype=jnp.bfloat16):
   """Exact block math in plain XLA: per-K-block FP32 dots of the upcast E4M3 values, scaled, summed in order."""
   check_operands(a_q_MxK, a_s_MxKb, b_q_NxK, b_s)
@@ -57,7 +77,7 @@ def fp8_gemm_reference(a_q_MxK, a_s_MxKb, b_q_NxK, b_s, out_dtype=jnp.bfloat16):
 
   def block(acc_MxN, xs):
     a, b, sa, sb = xs
-    part = jnp.dot(a, b.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    part = invariant_dot(a, b)
     return acc_MxN + part * (sa[:, None] * sb[None, :]), None
 
   acc, _ = jax.lax.scan(block, jnp.zeros((m, n), jnp.float32), (a_KbxMx128, b_KbxNx128, as_KbxM, bs_KbxN))

@@ -1,6 +1,6 @@
 """fp8 linear: forward and gradients against the dequantize-then-FP32 reference, and FP8 vs BF16 bounds."""
 
-import fp8jax  # noqa: F401
+import fp8jax
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,7 @@ def test_block_gemm_reference_is_batch_invariant():
   x, w = rand(2, (64, 256)), rand(3, (384, 256), 0.05)
   xq, xs = quant.quantize_act(x)
   qw = quant.quantize_weight(w)
-  f = jax.jit(fp8_gemm.fp8_gemm_reference, static_argnums=4)
+  f = fp8jax.jit(fp8_gemm.fp8_gemm_reference, static_argnums=4)
   full = f(xq, xs, qw.q, qw.scale, jnp.float32)
   for lo, hi in [(0, 1), (5, 8), (17, 64)]:
     np.testing.assert_array_equal(f(xq[lo:hi], xs[lo:hi], qw.q, qw.scale, jnp.float32), full[lo:hi])

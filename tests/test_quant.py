@@ -26,7 +26,7 @@ def np_quantize_groups(x_GxB: np.ndarray, pow2=False):
   if pow2:
     scale = np.exp2(np.ceil(np.log2(scale.astype(np.float64)))).astype(np.float32)
   with np.errstate(invalid="ignore", over="ignore"):
-    y = np.clip(x.astype(np.float32) / scale, -448, 448)
+    y = np.clip(x.astype(np.float32) * (np.float32(1) / scale), -448, 448)
   y = np.where(np.isfinite(x), y, np.nan)
   return y.astype(ml_dtypes.float8_e4m3fn), scale[:, 0]
 
@@ -83,7 +83,7 @@ def test_matches_torch_float8_cast():
   x = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32) * np.float32(3.0)
   q, s = quant.quantize_act(jnp.asarray(x))
   s_el = np.repeat(np.asarray(s), 128, axis=-1)
-  tq = (torch.from_numpy(x) / torch.from_numpy(s_el)).clamp(-448, 448).to(torch.float8_e4m3fn)
+  tq = (torch.from_numpy(x) * (1 / torch.from_numpy(s_el))).clamp(-448, 448).to(torch.float8_e4m3fn)
   np.testing.assert_array_equal(bits(q), tq.view(torch.uint8).numpy())
 
 

@@ -220,7 +220,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, std: float =
   return jax.tree.unflatten(treedef, out)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnums=(1, 2))  # random init: rounding mode irrelevant
 def _normal_jit(key, shape, dtype):
   return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
