@@ -1,0 +1,695 @@
+"""Hugging Face checkpoints in and out: config, safetensors weights, tokenizer; BF16 and block-FP8 export.
+
+Import (a local HF directory; nothing is downloaded):
+  ``load_config(dir) -> ModelConfig``    config.json of a LlamaForCausalLM (plain or "llama3" RoPE) or Qwen3ForCausalLM.
+  ``load_params(dir, cfg, dtype=, shardings=)``  safetensors (single file or sharded through the index), read one
+                                         tensor at a time and placed directly with its target sharding, so an 8B
+                                         model never has two full copies in host memory. Block-FP8 checkpoints
+                                         (``weight_scale_inv`` next to an E4M3 ``weight``) are dequantized on load.
+  ``load_tokenizer(dir) -> Tokenizer``   tokenizer.json + tokenizer_config.json through ``tokenizers`` and jinja2,
+                                         rendering chat templates the way transformers does.
+Export:
+  ``export_bf16(params, cfg, out_dir, tokenizer_dir=)``  config + BF16 safetensors (+ index) + tokenizer files.
+  ``export_fp8(params, cfg, recipe, out_dir, tokenizer_dir=)``  block-FP8 in the DeepSeek-V3 / vLLM convention:
+      E4M3 ``weight`` (out, in) + FP32 ``weight_scale_inv`` (ceil(out/128), ceil(in/128)), dequant = q * s, made by
+      ``quant.quantize_params`` — the very call the sampler runs on, so what is served is what was sampled.
+Pickle (``pytorch_model*.bin``) checkpoints are refused: loading them runs arbitrary code.
+
+Every bad input raises before any weight is read, with one message naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from fp8jax import ops, quant
+from fp8jax.model import llama
+from fp8jax.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+# Files a tokenizer may consist of (copied verbatim on export when present).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "tokenizer.model", "added_tokens.json", "generation_config.json")
+
+# fp8jax layer param -> HF module inside "model.layers.{i}." (a linear's tensor is "<module>.weight").
+HF_LAYER_MODULES = {
+    "wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
+    "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+    "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+}
+HF_TOP_MODULES = {"embed": "model.embed_tokens", "final_norm": "model.norm", "lm_head": "lm_head"}
+# Tensors some checkpoints carry that are not parameters (recomputed buffers); skipped on load.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class HFCheckpointError(ValueError):
+  """A Hugging Face directory fp8jax cannot load as asked (the message names the file and the key)."""
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Config
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _read_json(path: str) -> dict:
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path}: file not found")
+  with open(path) as f:
+    try:
+      return json.load(f)
+    except json.JSONDecodeError as e:
+      raise HFCheckpointError(f"{path}: not valid JSON ({e})") from e
+
+
+def _architecture(c: dict, path: str) -> str:
+  archs = c.get("architectures") or []
+  known = [a for a in archs if a in ARCHITECTURES]
+  if known:
+    return known[0]
+  if not archs and c.get("model_type") in ARCHITECTURES.values():
+    return {v: k for k, v in ARCHITECTURES.items()}[c["model_type"]]
+  raise HFCheckpointError(f"{path}: key 'architectures' = {archs or c.get('model_type')!r} is not supported "
+                          f"(fp8jax loads {sorted(ARCHITECTURES)})")
+
+
+def _rope(c: dict, path: str) -> tuple[float, tuple | None]:
+  """(rope_theta, ModelConfig.rope_scaling) from transformers-5 ``rope_parameters`` or legacy ``rope_scaling``."""
+  if c.get("rope_parameters"):
+    key, rp = "rope_parameters", dict(c["rope_parameters"])
+  else:
+    key, rp = "rope_scaling", dict(c.get("rope_scaling") or {})
+  theta = float(rp.get("rope_theta", c.get("rope_theta", 10000.0)))
+  rope_type = rp.get("rope_type", rp.get("type", "default"))
+  if rope_type in ("default", None):
+    return theta, None
+  if rope_type != "llama3":
+    raise HFCheckpointError(f"{path}: key '{key}.rope_type' = {rope_type!r} is not supported "
+                            f"(fp8jax supports 'default' and 'llama3')")
+  try:
+    scaling = (float(rp["factor"]), float(rp["low_freq_factor"]), float(rp["high_freq_factor"]),
+               int(rp["original_max_position_embeddings"]))
+  except KeyError as e:
+    raise HFCheckpointError(f"{path}: key '{key}.{e.args[0]}' is missing (needed by rope_type 'llama3')") from None
+  return theta, scaling
+
+
+def load_config(hf_dir: str, *, dtype: str = "bfloat16", max_seq_len: int | None = None) -> ModelConfig:
+  """config.json of a local HF directory -> ModelConfig (``dtype``: compute dtype of the fp8jax model)."""
+  path = os.path.join(hf_dir, CONFIG_FILE)
+  c = _read_json(path)
+  arch = _architecture(c, path)
+  for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                  ("use_sliding_window", False)):
+    if key in c and c[key] not in (ok, None):
+      raise HFCheckpointError(f"{path}: key '{key}' = {c[key]!r} is not supported (fp8jax needs {ok!r})")
+
+  qc = c.get("quantization_config")
+  if qc and not (qc.get("quant_method") == "fp8" and list(qc.get("weight_block_size") or []) == [128, 128]):
+    raise HFCheckpointError(f"{path}: key 'quantization_config' = {qc!r} is not supported (fp8jax reads BF16/FP32 "
+                            f"checkpoints and block-FP8 ones with quant_method 'fp8', weight_block_size [128, 128])")
+
+  def need(key):
+    if key not in c:
+      raise HFCheckpointError(f"{path}: key '{key}' is missing")
+    return c[key]
+
+  n_heads = int(need("num_attention_heads"))
+  dim = int(need("hidden_size"))
+  theta, scaling = _rope(c, path)
+  return ModelConfig(
+      vocab_size=int(need("vocab_size")), dim=dim, n_layers=int(need("num_hidden_layers")), n_heads=n_heads,
+      n_kv_heads=int(c.get("num_key_value_heads") or n_heads), head_dim=int(c.get("head_dim") or dim // n_heads),
+      ffn_dim=int(need("intermediate_size")), norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+      rope_scaling=scaling, tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+      qk_norm=ARCHITECTURES[arch] == "qwen3",
+      max_seq_len=int(max_seq_len or c.get("max_position_embeddings", 8192)), dtype=dtype)
+
+
+def hf_config_dict(cfg: ModelConfig, *, extra: dict | None = None) -> dict:
+  """ModelConfig -> an HF config.json dict (LlamaForCausalLM, or Qwen3ForCausalLM when cfg.qk_norm)."""
+  qwen = cfg.qk_norm
+  rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+  legacy_scaling = None
+  if cfg.rope_scaling is not None:
+    f, lo, hi, ctx = cfg.rope_scaling
+    legacy_scaling = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo, "high_freq_factor": hi,
+                      "original_max_position_embeddings": ctx}
+    rope = {**legacy_scaling, "rope_theta": cfg.rope_theta}
+  d = {
+      "architectures": ["Qwen3ForCausalLM" if qwen else "LlamaForCausalLM"],
+      "model_type": "qwen3" if qwen else "llama",
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+      "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+      "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
+      "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+      # transformers >= 5 reads rope_parameters; older transformers and serving engines read the legacy keys.
+      "rope_parameters": rope, "rope_theta": cfg.rope_theta, "rope_scaling": legacy_scaling,
+      "dtype": "bfloat16", "torch_dtype": "bfloat16", "use_cache": True,
+  }
+  if qwen:
+    d.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
+             layer_types=["full_attention"] * cfg.n_layers)
+  else:
+    d.update(mlp_bias=False)
+  d.update(extra or {})
+  return d
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Weights in
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def hf_param_names(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+  """fp8jax param path ("layers/3/wq", "embed") -> (HF tensor name, shape), in params order."""
+  shapes = llama.param_shapes(cfg)
+  out = {"embed": (HF_TOP_MODULES["embed"] + ".weight", tuple(shapes["embed"]))}
+  for i, layer in enumerate(shapes["layers"]):
+    for name, shape in layer.items():
+      out[f"layers/{i}/{name}"] = (f"model.layers.{i}.{HF_LAYER_MODULES[name]}.weight", tuple(shape))
+  for name in ("final_norm", "lm_head"):
+    if name in shapes:
+      out[name] = (HF_TOP_MODULES[name] + ".weight", tuple(shapes[name]))
+  return out
+
+
+def _weight_files(hf_dir: str) -> tuple[str, dict[str, str] | None]:
+  """(the file that lists the tensors, weight_map from the index or None for a single file)."""
+  index = os.path.join(hf_dir, INDEX_FILE)
+  if os.path.isfile(index):
+    wm = _read_json(index).get("weight_map")
+    if not isinstance(wm, dict) or not wm:
+      raise HFCheckpointError(f"{index}: key 'weight_map' is missing or empty")
+    return index, wm
+  single = os.path.join(hf_dir, SINGLE_FILE)
+  if os.path.isfile(single):
+    return single, None
+  if not os.path.isdir(hf_dir):
+    raise FileNotFoundError(f"{hf_dir}: directory not found")
+  bins = sorted(f for f in os.listdir(hf_dir) if f.endswith(".bin"))
+  if bins:
+    raise HFCheckpointError(f"{hf_dir}: only pickle weights found ({', '.join(bins)}); fp8jax loads safetensors "
+                            f"only (pickle can run code). Re-save with save_pretrained(..., safe_serialization=True)")
+  raise FileNotFoundError(f"{hf_dir}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+
+
+def _scan_tensors(hf_dir: str) -> tuple[str, dict[str, tuple[str, tuple[int, ...], str]]]:
+  """Reads only the safetensors headers: HF name -> (file path, shape, safetensors dtype)."""
+  from safetensors import safe_open  # noqa: PLC0415
+
+  listing, weight_map = _weight_files(hf_dir)
+  files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
+  found = {}
+  for fname in files:
+    path = os.path.join(hf_dir, fname)
+    if not os.path.isfile(path):
+      key = next(k for k, v in weight_map.items() if v == fname)
+      raise FileNotFoundError(f"{path}: file not found (listed in {listing} for key '{key}')")
+    with safe_open(path, framework="np") as f:
+      for key in f.keys():
+        sl = f.get_slice(key)
+        found[key] = (path, tuple(sl.get_shape()), sl.get_dtype())
+  if weight_map:
+    for key, fname in weight_map.items():
+      if key not in found:
+        raise HFCheckpointError(f"{os.path.join(hf_dir, fname)}: key '{key}' listed in {listing} is not in the file")
+  return listing, found
+
+
+# safetensors dtypes numpy cannot name (safetensors' numpy backend fails on them): read through ml_dtypes.
+_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _get_tensor(f, path: str, key: str, st_dtype: str) -> np.ndarray:
+  """One tensor from an open safetensors file as a numpy array (FP8 through the file's header and a memmap)."""
+  if st_dtype not in _RAW_DTYPES:
+    return f.get_tensor(key)
+  with open(path, "rb") as fh:
+    n = int.from_bytes(fh.read(8), "little")
+    meta = json.loads(fh.read(n))[key]
+  start, end = meta["data_offsets"]
+  mm = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n + start, shape=(end - start,))
+  return np.array(mm).view(_RAW_DTYPES[st_dtype]).reshape(meta["shape"])
+
+
+def _block_dequant_np(q_NxK: np.ndarray, s_NbxKb: np.ndarray) -> np.ndarray:
+  n, k = q_NxK.shape
+  s = np.repeat(np.repeat(s_NbxKb.astype(np.float32), quant.BLOCK, 0), quant.BLOCK, 1)[:n, :k]
+  return q_NxK.astype(np.float32) * s
+
+
+def _sharding_for(shardings, path: str):
+  if shardings is None:
+    return None
+  if callable(shardings):
+    return shardings(path)
+  node = shardings
+  for part in path.split("/"):
+    node = node[int(part)] if isinstance(node, (list, tuple)) else node[part]
+  return node
+
+
+def load_params(hf_dir: str, cfg: ModelConfig, *, dtype=jnp.float32,
+                shardings: Any | Callable[[str], Any] | None = None) -> dict:
+  """HF safetensors -> fp8jax params (every leaf ``dtype``).
+
+  ``shardings``: None (default device), a pytree with the params' structure, or a callable
+  ``path -> sharding`` ("layers/3/wq"); each tensor goes straight from its file to ``jax.device_put`` with it.
+  Checks every name and shape in the safetensors headers first; then reads one tensor at a time.
+  """
+  listing, found = _scan_tensors(hf_dir)
+  wanted = hf_param_names(cfg)
+  hf_to_path = {hf: path for path, (hf, _) in wanted.items()}
+  scales = {k for k in found if k.endswith(".weight_scale_inv") and k[:-len("_scale_inv")] in hf_to_path}
+  skipped = {k for k in found if k.endswith(_IGNORED_SUFFIXES)}
+  if cfg.tie_embeddings and "lm_head.weight" in found:
+    skipped.add("lm_head.weight")  # tied: the head is the embedding; some exporters write both
+    log.warning("%s: 'lm_head.weight' ignored because tie_word_embeddings is true", found["lm_head.weight"][0])
+  for path, (hf, _) in wanted.items():
+    if hf not in found:
+      raise HFCheckpointError(f"{listing}: tensor '{hf}' is missing (fp8jax param {path})")
+  unexpected = sorted(set(found) - set(hf_to_path) - scales - skipped)
+  if unexpected:
+    raise HFCheckpointError(f"{found[unexpected[0]][0]}: unexpected tensor '{unexpected[0]}'"
+                            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+  for path, (hf, shape) in wanted.items():
+    file, got, _ = found[hf]
+    if got != shape:
+      raise HFCheckpointError(f"{file}: tensor '{hf}' has shape {got}, config.json implies {shape} "
+                              f"(fp8jax param {path})")
+    sk = hf + "_scale_inv"
+    if sk in found:
+      want_s = tuple(-(-d // quant.BLOCK) for d in shape)
+      if found[sk][1] != want_s:
+        raise HFCheckpointError(f"{found[sk][0]}: tensor '{sk}' has shape {found[sk][1]}, block-FP8 needs {want_s}")
+
+  from safetensors import safe_open  # noqa: PLC0415
+
+  np_dtype = jnp.dtype(dtype)
+  by_file: dict[str, list[str]] = {}
+  for hf in hf_to_path:
+    by_file.setdefault(found[hf][0], []).append(hf)
+  leaves: dict[str, jax.Array] = {}
+  for file, keys in by_file.items():
+    with safe_open(file, framework="np") as f:
+      for hf in keys:
+        arr = _get_tensor(f, file, hf, found[hf][2])
+        sk = hf + "_scale_inv"
+        if sk in scales:
+          with safe_open(found[sk][0], framework="np") as g:
+            arr = _block_dequant_np(arr, _get_tensor(g, found[sk][0], sk, found[sk][2]))
+        arr = arr.astype(np_dtype, copy=False)
+        sharding = _sharding_for(shardings, hf_to_path[hf])
+        leaves[hf_to_path[hf]] = jax.device_put(arr, sharding) if sharding is not None else jnp.asarray(arr)
+        del arr
+  params = {name: leaves[name] for name in ("embed", "final_norm", "lm_head") if name in leaves}
+  params["layers"] = [{name: leaves[f"layers/{i}/{name}"] for name in layer}
+                      for i, layer in enumerate(llama.param_shapes(cfg)["layers"])]
+  return params
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Tokenizer
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _token_str(t) -> str | None:
+  return t.get("content") if isinstance(t, dict) else t
+
+
+def _eos_list(v) -> list[int]:
+  if v is None:
+    return []
+  return [int(x) for x in (v if isinstance(v, (list, tuple)) else [v])]
+
+
+class Tokenizer:
+  """A local HF tokenizer (``tokenizers`` backend) with its chat template and every eos id the model may emit."""
+
+  def __init__(self, hf_dir: str):
+    from tokenizers import Tokenizer as _Tok  # noqa: PLC0415
+
+    path = os.path.join(hf_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"{path}: file not found (fp8jax reads fast-tokenizer JSON files only)")
+    self._tok = _Tok.from_file(path)
+    tc_path = os.path.join(hf_dir, "tokenizer_config.json")
+    tc = _read_json(tc_path) if os.path.isfile(tc_path) else {}
+    stm_path = os.path.join(hf_dir, "special_tokens_map.json")
+    stm = _read_json(stm_path) if os.path.isfile(stm_path) else {}
+    self.special_tokens = {}
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+      t = _token_str(tc.get(name)) or _token_str(stm.get(name))
+      if t is not None:
+        self.special_tokens[name] = t
+    self.chat_template = self._find_template(hf_dir, tc)
+    eos = []
+    if "eos_token" in self.special_tokens and self.token_to_id(self.special_tokens["eos_token"]) is not None:
+      eos.append(self.token_to_id(self.special_tokens["eos_token"]))
+    for fname in ("generation_config.json", CONFIG_FILE):
+      p = os.path.join(hf_dir, fname)
+      if os.path.isfile(p):
+        eos += _eos_list(_read_json(p).get("eos_token_id"))
+    self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+    self.bos_id = self.token_to_id(self.special_tokens.get("bos_token"))
+    self.pad_id = self.token_to_id(self.special_tokens.get("pad_token"))
+
+  @staticmethod
+  def _find_template(hf_dir, tc) -> str | None:
+    t = tc.get("chat_template")
+    if isinstance(t, list):  # [{"name": "default", "template": ...}, ...]
+      t = {d["name"]: d["template"] for d in t}.get("default")
+    jinja_path = os.path.join(hf_dir, "chat_template.jinja")
+    if t is None and os.path.isfile(jinja_path):
+      with open(jinja_path) as f:
+        t = f.read()
+    json_path = os.path.join(hf_dir, "chat_template.json")
+    if t is None and os.path.isfile(json_path):
+      t = _read_json(json_path).get("chat_template")
+    return t
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  def token_to_id(self, token: str | None) -> int | None:
+    return None if token is None else self._tok.token_to_id(token)
+
+  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+  def decode(self, ids, skip_special_tokens: bool = False) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+  def render_chat(self, messages: list[dict], add_generation_prompt: bool = False, **kwargs) -> str:
+    """The chat template rendered as transformers renders it (same jinja2 environment and globals)."""
+    if self.chat_template is None:
+      raise HFCheckpointError("tokenizer has no chat template (tokenizer_config.json key 'chat_template' or "
+                              "chat_template.jinja)")
+    return _compile_template(self.chat_template).render(
+        messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs)
+
+  def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = True,
+                          **kwargs):
+    text = self.render_chat(messages, add_generation_prompt, **kwargs)
+    # The template writes the special tokens itself (bos included), so none are added here (as in transformers).
+    return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _compile_template(template: str):
+  import datetime  # noqa: PLC0415
+
+  import jinja2  # noqa: PLC0415
+  import jinja2.ext  # noqa: PLC0415
+  from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  return env.from_string(template)
+
+
+def load_tokenizer(hf_dir: str) -> Tokenizer:
+  return Tokenizer(hf_dir)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Weights out
+# ------------------------------------------------------------------------------------------------------------------
+
+_ST_DTYPE_BYTES = {np.dtype(ml_dtypes.bfloat16): 2, np.dtype(ml_dtypes.float8_e4m3fn): 1, np.dtype(np.float32): 4}
+
+
+@dataclasses.dataclass
+class _Out:
+  name: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  get: Callable[[], np.ndarray]
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.shape) * _ST_DTYPE_BYTES[self.dtype]
+
+
+def _host(x, dtype) -> Callable[[], np.ndarray]:
+  return lambda: np.asarray(jax.device_get(jnp.asarray(x).astype(dtype)))
+
+
+def _param_items(params: dict, cfg: ModelConfig):
+  """(fp8jax path, HF module name, leaf) in HF order."""
+  names = hf_param_names(cfg)
+  for path, (hf, _) in names.items():
+    node = params
+    for part in path.split("/"):
+      node = node[int(part)] if isinstance(node, list) else node[part]
+    yield path, hf[:-len(".weight")], node
+
+
+def _write_safetensors(out_dir: str, tensors: list[_Out], max_shard_bytes: int):
+  from safetensors.numpy import save_file  # noqa: PLC0415
+
+  shards, cur, size = [], [], 0
+  for t in tensors:
+    if cur and size + t.nbytes > max_shard_bytes:
+      shards.append(cur)
+      cur, size = [], 0
+    cur.append(t)
+    size += t.nbytes
+  shards.append(cur)
+  total = sum(t.nbytes for t in tensors)
+  weight_map = {}
+  for i, shard in enumerate(shards):
+    fname = SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    arrays = {}
+    for t in shard:  # one shard in host memory at a time
+      a = t.get()
+      if a.shape != t.shape or a.dtype != t.dtype:
+        raise AssertionError(f"export: {t.name} is {a.shape} {a.dtype}, expected {t.shape} {t.dtype}")
+      arrays[t.name] = a
+      weight_map[t.name] = fname
+    save_file(arrays, os.path.join(out_dir, fname), metadata={"format": "pt"})
+    del arrays
+  if len(shards) > 1:
+    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def _copy_tokenizer_and_ids(tokenizer_dir: str | None, out_dir: str) -> dict:
+  """Copies tokenizer files; returns the special token ids of the source config.json to carry over."""
+  if tokenizer_dir is None:
+    return {}
+  for fname in TOKENIZER_FILES:
+    src = os.path.join(tokenizer_dir, fname)
+    if os.path.isfile(src):
+      shutil.copyfile(src, os.path.join(out_dir, fname))
+  src_cfg = os.path.join(tokenizer_dir, CONFIG_FILE)
+  if not os.path.isfile(src_cfg):
+    return {}
+  c = _read_json(src_cfg)
+  return {k: c[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in c}
+
+
+def _write_config(out_dir: str, d: dict):
+  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+    json.dump(d, f, indent=2)
+
+
+def _check_params(params: dict, cfg: ModelConfig):
+  for path, (hf, shape) in hf_param_names(cfg).items():
+    node = params
+    try:
+      for part in path.split("/"):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    except (KeyError, IndexError):
+      raise HFCheckpointError(f"export: params have no '{path}' (needed for '{hf}')") from None
+    if tuple(node.shape) != shape:
+      raise HFCheckpointError(f"export: params '{path}' has shape {tuple(node.shape)}, config implies {shape}")
+
+
+def export_bf16(params: dict, cfg: ModelConfig, out_dir: str, tokenizer_dir: str | None = None, *,
+                max_shard_bytes: int = 5 * 2**30) -> None:
+  """Writes an HF directory (config.json, BF16 safetensors, index when sharded, tokenizer files)."""
+  _check_params(params, cfg)
+  os.makedirs(out_dir, exist_ok=True)
+  ids = _copy_tokenizer_and_ids(tokenizer_dir, out_dir)
+  bf16 = np.dtype(ml_dtypes.bfloat16)
+  tensors = [_Out(mod + ".weight", tuple(w.shape), bf16, _host(w, jnp.bfloat16))
+             for _, mod, w in _param_items(params, cfg)]
+  _write_safetensors(out_dir, tensors, max_shard_bytes)
+  _write_config(out_dir, hf_config_dict(cfg, extra=ids))
+
+
+def export_fp8(params: dict, cfg: ModelConfig, recipe: quant.Recipe, out_dir: str,
+               tokenizer_dir: str | None = None, *, max_shard_bytes: int = 5 * 2**30) -> dict:
+  """Writes a block-FP8 HF directory (DeepSeek-V3 / vLLM convention); returns its ``quantization_config``.
+
+  The FP8 tensors are ``quant.quantize_params(params, recipe)`` — the sampler's own weights, bit for bit.
+  Linear layers the recipe keeps (and the output head unless ``recipe.quantize_lm_head``) are written in BF16
+  and listed in ``modules_to_not_convert``; embeddings and norms are always BF16.
+  """
+  if recipe.mode != "fp8":
+    raise HFCheckpointError(f"export_fp8 needs a recipe with mode='fp8', got mode={recipe.mode!r}")
+  _check_params(params, cfg)
+  os.makedirs(out_dir, exist_ok=True)
+  ids = _copy_tokenizer_and_ids(tokenizer_dir, out_dir)
+  qparams = quant.quantize_params(params, recipe)
+  bf16, e4m3, f32 = (np.dtype(t) for t in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.float32))
+  tensors, not_converted = [], []
+  for path, mod, w in _param_items(qparams, cfg):
+    if isinstance(w, quant.QWeight):
+      tensors.append(_Out(mod + ".weight", tuple(w.q.shape), e4m3, _host(w.q, jnp.float8_e4m3fn)))
+      tensors.append(_Out(mod + ".weight_scale_inv", tuple(w.scale.shape), f32, _host(w.scale, jnp.float32)))
+    else:
+      is_linear = path.rsplit("/", 1)[-1] in quant.LINEAR_NAMES or path == "lm_head"
+      if is_linear:
+        not_converted.append(mod)
+      tensors.append(_Out(mod + ".weight", tuple(w.shape), bf16, _host(w, jnp.bfloat16)))
+  if cfg.tie_embeddings:
+    not_converted.append("lm_head")  # tied to the BF16 embedding: transformers must not make it an FP8Linear
+  _warn_mixed_fused(not_converted, cfg)
+  qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [quant.BLOCK, quant.BLOCK], "modules_to_not_convert": not_converted}
+  _write_safetensors(out_dir, tensors, max_shard_bytes)
+  _write_config(out_dir, hf_config_dict(cfg, extra={**ids, "quantization_config": qc}))
+  return qc
+
+
+def _warn_mixed_fused(not_converted: list[str], cfg: ModelConfig):
+  """vLLM fuses q/k/v and gate/up into one GEMM, which cannot mix FP8 and BF16 parts: warn about such recipes."""
+  kept = set(not_converted)
+  for i in range(cfg.n_layers):
+    for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+      flags = {f"model.layers.{i}.{m}" in kept for m in group}
+      if len(flags) > 1:
+        log.warning("export_fp8: layer %d has %s partly FP8, partly BF16; vLLM fuses these and will refuse it",
+                    i, "/".join(m.rsplit(".", 1)[-1] for m in group))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Diagnostics
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def residual_stream(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.LinearConfig()):
+  """Hidden states like transformers' ``output_hidden_states``: [embeddings, after layer 0, ..., after layer L-1].
+
+  Runs the layer loop of ``llama.forward`` (full sequence, no cache) with the model's own ``attention``, ``mlp``
+  and ``rms_norm``; ``rms_norm(out[-1], final_norm)`` equals ``forward``'s hidden (tests check it bit for bit).
+  """
+  b, t = tokens_BxT.shape
+  positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  lcfg = dataclasses.replace(lcfg, out_dtype=cfg.dtype)
+  x = params["embed"].astype(jnp.dtype(cfg.dtype))[tokens_BxT]
+  inv_freq = llama.rope_inv_freq(cfg)
+  out = [x]
+  for i, p in enumerate(params["layers"]):
+    h, _, _ = llama.attention(p, llama.rms_norm(x, p["attn_norm"], cfg.norm_eps), positions_BxT, cfg, lcfg,
+                              inv_freq, layer=i, cache=None, kv_scales=None)
+    x = x + h
+    x = x + llama.mlp(p, llama.rms_norm(x, p["mlp_norm"], cfg.norm_eps), lcfg)
+    out.append(x)
+  return out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Tiny local models (tests and demos; needs the test extras torch + transformers)
+# ------------------------------------------------------------------------------------------------------------------
+
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+_TINY_SPECIALS = ["<unk>", "<pad>", "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>",
+                  "<|end_header_id|>"]
+_TINY_TEXT = [
+    "The quick brown fox jumps over the lazy dog.", "What is two plus two? Two plus two is four.",
+    "A tiny model learns nothing, but its numbers must still match.", "Solve for x: 3 x + 5 = 20, so x = 5.",
+    "Reinforcement learning from verifiable rewards.", "Hello, world! How are you today?",
+    "system\n\nuser\n\nassistant\n\n", "You are a helpful assistant.\n\nWhat is 2+2?",
+]
+
+
+def make_tiny_tokenizer(out_dir: str, vocab_size: int = 200) -> dict[str, int]:
+  """Trains a tiny BPE tokenizer on a few sentences; writes tokenizer.json + tokenizer_config.json. -> special ids."""
+  from tokenizers import Tokenizer as _Tok  # noqa: PLC0415
+  from tokenizers import decoders, models, pre_tokenizers, processors, trainers  # noqa: PLC0415
+
+  tok = _Tok(models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Metaspace()
+  tok.decoder = decoders.Metaspace()
+  tok.train_from_iterator(_TINY_TEXT, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=_TINY_SPECIALS,
+                                                          show_progress=False))
+  ids = {t: tok.token_to_id(t) for t in _TINY_SPECIALS}
+  bos = "<|begin_of_text|>"
+  tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                     special_tokens=[(bos, ids[bos])])
+  os.makedirs(out_dir, exist_ok=True)
+  tok.save(os.path.join(out_dir, "tokenizer.json"))
+  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": "<|eot_id|>",
+               "pad_token": "<pad>", "unk_token": "<unk>", "model_max_length": 512,
+               "chat_template": TINY_CHAT_TEMPLATE}, f, indent=2)
+  return ids
+
+
+def make_tiny_hf_dir(out_dir: str, arch: str = "llama", *, seed: int = 0, n_layers: int = 2, dim: int = 256,
+                     ffn_dim: int = 512, n_heads: int = 4, n_kv_heads: int = 2, head_dim: int = 64,
+                     vocab_size: int = 256, tie: bool | None = None, init_std: float = 0.02) -> str:
+  """A random Llama-3 (llama3 RoPE scaling) or Qwen3 HF directory saved by transformers, with a tiny tokenizer."""
+  import torch  # noqa: PLC0415
+  import transformers  # noqa: PLC0415
+
+  ids = make_tiny_tokenizer(out_dir)
+  common = dict(vocab_size=vocab_size, hidden_size=dim, intermediate_size=ffn_dim, num_hidden_layers=n_layers,
+                num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, head_dim=head_dim,
+                max_position_embeddings=512, initializer_range=init_std, bos_token_id=ids["<|begin_of_text|>"],
+                eos_token_id=ids["<|eot_id|>"], pad_token_id=ids["<pad>"])
+  if arch == "llama":
+    c = transformers.LlamaConfig(
+        **common, tie_word_embeddings=bool(tie), rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    cls = transformers.LlamaForCausalLM
+  elif arch == "qwen3":
+    c = transformers.Qwen3Config(**common, tie_word_embeddings=True if tie is None else tie, rms_norm_eps=1e-6,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    cls = transformers.Qwen3ForCausalLM
+  else:
+    raise ValueError(f"make_tiny_hf_dir: arch must be 'llama' or 'qwen3', got {arch!r}")
+  torch.manual_seed(seed)
+  model = cls(c)
+  with torch.no_grad():  # norms are initialized to ones; randomize them so a swapped norm would show
+    for name, p in model.named_parameters():
+      if p.ndim == 1:
+        p.copy_(1.0 + 0.1 * torch.randn_like(p))
+  model.save_pretrained(out_dir, safe_serialization=True)
+  with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+    json.dump({"bos_token_id": ids["<|begin_of_text|>"], "eos_token_id": [ids["<|eot_id|>"], ids["<|end_of_text|>"]],
+               "pad_token_id": ids["<pad>"]}, f, indent=2)
+  return out_dir
