@@ -1,0 +1,308 @@
+"""Benchmark of the block-scaled FP8 GEMM (issue 3) on an sm_90 GPU.
+
+  PYTHONPATH=. python3 scripts/bench_gemm.py [--ms 8192,256,64] [--out DIR] [--sweep]
+
+For M in --ms and the Llama-3.1-8B linear shapes (K x N): TFLOP/s (2*M*N*K / median kernel time) of
+  ours     pallas_kernels.fp8_gemm_mgpu.fp8_gemm (1x128 x 128x128 scales, BF16 out; wrapper ops included)
+  triton   pallas_kernels.fp8_gemm_triton.fp8_gemm (same math)
+  xla_bf16 XLA BF16 dot (cuBLAS), BF16 operands
+  cublas_block  torch scaled_mm with BlockWise1x128 x BlockWise128x128 FP32 scales (cuBLAS)
+  cublas_pt     torch._scaled_mm with per-tensor scales
+and ratio ours / cublas_block, plus each one's relative error ||out - ref|| / ||ref|| against its exact reference
+(the block kernels: pallas_kernels.fp8_gemm.fp8_gemm_reference; per-tensor: the same with unit scales; BF16: the
+FP32 dot of the same BF16 operands). JAX times are CUPTI kernel times (jax.experimental.mosaic.gpu.profiler);
+torch times are CUDA-event times of a CUDA-graph replay. Each timed call cycles through R distinct operand sets,
+so decode-sized B matrices are read from HBM, not L2. Two wgrad rows (1x128 x 1x128, FP32 out) follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import fp8jax  # noqa: F401  (sets XLA flags first)
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp8jax import quant
+from pallas_kernels import fp8_gemm_mgpu as mgpu
+from pallas_kernels import fp8_gemm_triton as tgemm
+from pallas_kernels.fp8_gemm import fp8_gemm_reference
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
+          "lm_head": (4096, 128256)}
+LOG = []
+
+
+def log(*a):
+  s = " ".join(str(x) for x in a)
+  print(s, flush=True)
+  LOG.append(s)
+
+
+def jax_time_ms(fn, sets, iters=5):
+  """Median over iters of (sum of CUPTI kernel times of one call) / len(sets)."""
+  from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415
+  f = jax.jit(lambda ss: [fn(*s) for s in ss])
+  try:
+    outs, times = profiler.measure(f, iterations=iters)(sets)
+    if times:
+      return statistics.median(times) / len(sets), outs[0]
+  except Exception as e:  # noqa: BLE001
+    log("  cupti failed, wall clock:", repr(e)[:200])
+  outs = jax.block_until_ready(f(sets))
+  ts = []
+  for _ in range(iters):
+    t = time.perf_counter()
+    jax.block_until_ready(f(sets))
+    ts.append((time.perf_counter() - t) * 1e3)
+  return statistics.median(ts) / len(sets), outs[0]
+
+
+def torch_time_ms(calls, iters=5):
+  import torch  # noqa: PLC0415
+  out = calls[0]()  # the first set's output: the one compared with the reference
+  for c in calls[1:]:
+    c()
+  torch.cuda.synchronize()
+  try:
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+      for c in calls:
+        c()
+    run = g.replay
+  except Exception as e:  # noqa: BLE001
+    log("  cuda graph failed:", repr(e)[:200])
+    run = lambda: [c() for c in calls]  # noqa: E731
+  run()
+  torch.cuda.synchronize()
+  ts = []
+  for _ in range(iters):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    run()
+    e.record()
+    torch.cuda.synchronize()
+    ts.append(s.elapsed_time(e))
+  return statistics.median(ts) / len(calls), out
+
+
+def to_torch(x):
+  import torch  # noqa: PLC0415
+  if x.dtype == jnp.float8_e4m3fn:
+    return torch.from_dlpack(jax.lax.bitcast_convert_type(x, jnp.uint8)).view(torch.float8_e4m3fn)
+  return torch.from_dlpack(x)
+
+
+def to_jax(t):
+  return jnp.from_dlpack(t.contiguous())
+
+
+def rel_err(out, ref):
+  out = jnp.asarray(out, jnp.float32)
+  return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
+def make_sets(m, n, k, r, row_scales=False):
+  sets = []
+  for i in range(r):
+    ka, kb = jax.random.split(jax.random.key(1000 * i + m + n + k))
+    x = jax.random.normal(ka, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kb, (n, k), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    a_q, a_s = quant.quantize_act(x)
+    if row_scales:
+      b_q, b_s = quant.quantize_act(w)
+    else:
+      qw = quant.quantize_weight(w)
+      b_q, b_s = qw.q, qw.scale
+    sets.append(dict(x=x, w=w, a_q=a_q, a_s=a_s, b_q=b_q, b_s=b_s))
+  return jax.block_until_ready(sets)
+
+
+def bench_case(m, name, k, n, r, sweep, row_scales=False, out_dtype=jnp.bfloat16):
+  import torch  # noqa: PLC0415
+  import torch.nn.functional as F  # noqa: PLC0415
+  flops = 2.0 * m * n * k
+  tf = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+  sets = make_sets(m, n, k, r, row_scales)
+  s0 = sets[0]
+  q = [(s["a_q"], s["a_s"], s["b_q"], s["b_s"]) for s in sets]
+  ref = fp8_gemm_reference(*q[0], out_dtype=jnp.float32)
+  row = dict(m=m, shape=name, k=k, n=n, variant="wgrad 1x128x1x128" if row_scales else "fwd 1x128x128x128")
+
+  cfg = mgpu.choose_config(m, n, k)
+  row["config"] = str(cfg)
+  try:
+    ms, out = jax_time_ms(lambda *a: mgpu.fp8_gemm(*a, out_dtype=out_dtype), q)
+    row.update(ours=tf(ms), ours_ms=ms, ours_err=rel_err(out, ref))
+  except Exception:  # noqa: BLE001
+    log("  ours failed:", traceback.format_exc()[-1500:])
+  if sweep:
+    for c in sweep_configs(m):
+      if n % c.cta_n:
+        continue
+      try:
+        ms, out = jax_time_ms(lambda *a, c=c: mgpu.fp8_gemm(*a, out_dtype=out_dtype, config=c), q, iters=3)
+        log(f"  sweep {name} M={m} {c}: {tf(ms):.0f} TFLOP/s err={rel_err(out, ref):.2e}")
+        row.setdefault("sweep", []).append((str(c), tf(ms)))
+      except Exception as e:  # noqa: BLE001
+        log(f"  sweep {c} failed: {repr(e)[:300]}")
+  try:
+    ms, out = jax_time_ms(lambda *a: tgemm.fp8_gemm(*a, out_dtype=out_dtype), q)
+    row.update(triton=tf(ms), triton_err=rel_err(out, ref))
+  except Exception:  # noqa: BLE001
+    log("  triton failed:", traceback.format_exc()[-1500:])
+  if not row_scales:
+    try:
+      dn = (((1,), (1,)), ((), ()))
+      bf = lambda x, w: jax.lax.dot_general(x, w, dn, preferred_element_type=jnp.bfloat16)  # noqa: E731
+      ms, out = jax_time_ms(bf, [(s["x"], s["w"]) for s in sets])
+      ref_bf = jax.lax.dot_general(s0["x"].astype(jnp.float32), s0["w"].astype(jnp.float32), dn,
+                                   precision=jax.lax.Precision.HIGHEST)
+      row.update(xla_bf16=tf(ms), xla_bf16_err=rel_err(out, ref_bf))
+    except Exception:  # noqa: BLE001
+      log("  xla bf16 failed:", traceback.format_exc()[-1500:])
+
+  # cuBLAS through torch (operands shared with JAX through DLPack).
+  tq = [tuple(to_torch(t) for t in s) for s in q]
+  try:
+    calls, errs = [], None
+    kb4 = -(-(k // 128) // 4) * 4
+    for a_q, a_s, b_q, b_s in tq:
+      sa = a_s.t().contiguous().t()  # (M, Kb), stride (1, M): outer-dim-major, as cuBLAS wants
+      if row_scales:
+        sb = b_s.t().contiguous().t()  # (N, Kb), stride (1, N)
+        rec_b = F.ScalingType.BlockWise1x128
+      else:
+        nb = b_s.shape[0]
+        sbp = torch.zeros((nb, kb4), dtype=torch.float32, device=b_s.device)
+        sbp[:, :b_s.shape[1]] = b_s
+        sb = sbp.t()  # (L4, Nb), stride (1, L4)
+        rec_b = F.ScalingType.BlockWise128x128
+      tdt = torch.bfloat16 if out_dtype == jnp.bfloat16 else torch.float32
+      calls.append(lambda a_q=a_q, b_q=b_q, sa=sa, sb=sb, rec_b=rec_b, tdt=tdt: F.scaled_mm(
+          a_q, b_q.t(), sa, F.ScalingType.BlockWise1x128, sb, rec_b, output_dtype=tdt))
+    try:
+      calls[0]()
+    except Exception as e:  # noqa: BLE001  (older API: torch._scaled_mm with the same scale tensors)
+      log("  F.scaled_mm failed, trying torch._scaled_mm:", repr(e)[:300])
+      calls = [lambda c=c: torch._scaled_mm(c.__defaults__[0], c.__defaults__[1].t(), scale_a=c.__defaults__[2],
+                                            scale_b=c.__defaults__[3], out_dtype=c.__defaults__[5])
+               for c in calls]
+    ms, out = torch_time_ms(calls)
+    row.update(cublas_block=tf(ms), cublas_block_err=rel_err(to_jax(out), ref))
+  except Exception:  # noqa: BLE001
+    log("  cublas blockwise failed:", traceback.format_exc()[-2000:])
+  if not row_scales:
+    try:
+      one = torch.ones((), dtype=torch.float32, device="cuda")
+      calls = [lambda a_q=a_q, b_q=b_q: torch._scaled_mm(a_q, b_q.t(), scale_a=one, scale_b=one,
+                                                          out_dtype=torch.bfloat16) for a_q, _, b_q, _ in tq]
+      ms, out = torch_time_ms(calls)
+      ones_a = jnp.ones_like(s0["a_s"])
+      ones_b = jnp.ones_like(s0["b_s"])
+      ref_pt = fp8_gemm_reference(s0["a_q"], ones_a, s0["b_q"], ones_b, out_dtype=jnp.float32)
+      row.update(cublas_pt=tf(ms), cublas_pt_err=rel_err(to_jax(out), ref_pt))
+    except Exception:  # noqa: BLE001
+      log("  cublas per-tensor failed:", traceback.format_exc()[-1500:])
+  if "ours" in row and "cublas_block" in row:
+    row["ratio"] = row["ours"] / row["cublas_block"]
+  del sets, q, tq, ref
+  return row
+
+
+def sweep_configs(m):
+  T = mgpu.TuningConfig
+  if m >= 1024:
+    return [T("m", 128, 4, "n", 8), T("m", 128, 6, "n", 16), T("m", 128, 5, "m", 8), T("m", 64, 6, "n", 8)]
+  return [T("n", 16, 8), T("n", 32, 8), T("n", 64, 6), T("m", 64, 6), T("m", 32, 8)]
+
+
+def fmt(x, f="{:.0f}"):
+  return "-" if x is None else f.format(x)
+
+
+def table(rows):
+  hdr = ("| M | shape (KxN) | ours | triton | XLA BF16 | cuBLAS block | cuBLAS per-tensor | ours/cuBLAS-block "
+         "| err ours | err triton | err cuBLAS block | err cuBLAS pt | err BF16 |")
+  lines = [hdr, "|" + "---|" * 13]
+  for r in rows:
+    lines.append("| {} | {} {}x{}{} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
+        r["m"], r["shape"], r["k"], r["n"], " (wgrad, FP32 out)" if r["variant"].startswith("wgrad") else "",
+        fmt(r.get("ours")), fmt(r.get("triton")), fmt(r.get("xla_bf16")), fmt(r.get("cublas_block")),
+        fmt(r.get("cublas_pt")), fmt(r.get("ratio"), "{:.2f}x"), fmt(r.get("ours_err"), "{:.1e}"),
+        fmt(r.get("triton_err"), "{:.1e}"), fmt(r.get("cublas_block_err"), "{:.1e}"),
+        fmt(r.get("cublas_pt_err"), "{:.1e}"), fmt(r.get("xla_bf16_err"), "{:.1e}")))
+  return "\n".join(lines)
+
+
+def smoke() -> int:
+  """Quick correctness check of the Mosaic kernel on a few shapes/configs (run before timing; exit code 1 if bad)."""
+  ok = True
+  for m, name, row_scales, cfg in ((1, "qkv", False, None), (8192, "qkv", False, None), (256, "o", False, None),
+                                   (130, "o", True, None), (512, "o", False, mgpu.TuningConfig("n", 16)),
+                                   (512, "o", False, mgpu.TuningConfig("m", 128))):
+    k, n = SHAPES[name]
+    try:
+      s = make_sets(m, n, k, 1, row_scales)[0]
+      q = (s["a_q"], s["a_s"], s["b_q"], s["b_s"])
+      out = mgpu.fp8_gemm(*q, out_dtype=jnp.float32, config=cfg)
+      err = rel_err(out, fp8_gemm_reference(*q, out_dtype=jnp.float32))
+      part = mgpu.fp8_gemm(*(x[m // 2:] for x in q[:2]), *q[2:], out_dtype=jnp.float32)
+      same = bool(jnp.all(part == out[m // 2:]))
+      log(f"smoke M={m} {name} row_scales={row_scales} {cfg}: err={err:.2e} rows_invariant={same}")
+      ok &= err < 1e-3 and same
+    except Exception:  # noqa: BLE001
+      log(f"smoke M={m} {name} FAILED:", traceback.format_exc()[-2500:])
+      return 1
+  return 0 if ok else 1
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--smoke", action="store_true")
+  p.add_argument("--skip-ours", action="store_true")
+  p.add_argument("--ms", default="8192,256,64")
+  p.add_argument("--shapes", default=",".join(SHAPES))
+  p.add_argument("--out", default=os.environ.get("OUT", "."))
+  p.add_argument("--sweep", action="store_true", help="also time alternative tile configs (logged only)")
+  p.add_argument("--no-wgrad", action="store_true")
+  args = p.parse_args()
+  if args.smoke:
+    return smoke()
+  if args.skip_ours:
+    mgpu.fp8_gemm = None  # bench_case logs the failure and times the others
+  import torch  # noqa: PLC0415
+  log("device:", jax.devices()[0].device_kind, "| jax", jax.__version__, "| torch", torch.__version__,
+      "| cuda", torch.version.cuda, "| date", time.strftime("%Y-%m-%d %H:%M:%S"))
+  rows = []
+  for m in [int(x) for x in args.ms.split(",")]:
+    for name in args.shapes.split(","):
+      k, n = SHAPES[name]
+      r = 3 if m >= 1024 else 6
+      if name == "lm_head":
+        r = 2 if m >= 1024 else 3
+      t = time.time()
+      row = bench_case(m, name, k, n, r, args.sweep and name in ("o", "gate_up"))
+      rows.append(row)
+      log(json.dumps(row), f"({time.time() - t:.1f}s)")
+  if not args.no_wgrad:
+    for name, (mm, nn, kk) in {"o": (4096, 4096, 8192), "gate_up": (28672, 4096, 8192)}.items():
+      row = bench_case(mm, name + " dW", kk, nn, 2, False, row_scales=True, out_dtype=jnp.float32)
+      rows.append(row)
+      log(json.dumps(row))
+  with open(os.path.join(args.out, "bench_gemm.json"), "w") as f:
+    json.dump(rows, f, indent=1)
+  with open(os.path.join(args.out, "bench_gemm.log"), "w") as f:
+    f.write("\n".join(LOG))
+  print("\nTFLOP/s (2MNK / median kernel time), relative errors vs exact references\n" + table(rows))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,249 @@
+"""Block-scaled FP8 GEMM kernels (Mosaic GPU for sm_90, Triton fallback) against the plain-jnp reference.
+
+CPU (CI): both kernels in interpret mode on fresh random data (ragged M included), and lowering for the ``cuda``
+platform (Mosaic: the whole Pallas -> Mosaic GPU lowering; Triton: Pallas -> Triton IR for an abstract H200).
+GPU (``-m gpu``, skipped without an sm_90 GPU): kernel vs reference on all Llama-3.1-8B shapes, bitwise batch
+invariance, the wgrad (1x128 x 1x128) variant.
+
+Error bounds (relative Frobenius norm ||out - ref|| / ||ref|| on the same quantized operands):
+* interpret mode, FP32 output: <= 1e-6 (the same FP32 block math, only summation order inside a block differs);
+* GPU, FP32 output: <= 1e-3 (FP8 wgmma accumulates a 128-wide block with reduced internal precision before the
+  FP32 promotion; DeepSeek-V3 sec. 3.3.2 measures ~14 bits);
+* BF16 output: <= 5e-3 (one BF16 rounding of each element, 2**-9 relative, plus the above).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import fp8_gemm_mgpu as mgpu
+from pallas_kernels import fp8_gemm_triton as tgemm
+from pallas_kernels.fp8_gemm import fp8_gemm_reference
+
+LLAMA_8B_SHAPES = {  # name: (K, N) of C = A . B^T with B stored (N, K)
+    "qkv": (4096, 6144),
+    "o": (4096, 4096),
+    "gate_up": (4096, 28672),
+    "down": (14336, 4096),
+    "lm_head": (4096, 128256),
+}
+
+
+def _operands(seed: int, m: int, n: int, k: int, row_scales: bool = False):
+  """Fresh random E4M3 operands (normal values: all exponents used) and positive FP32 scales."""
+  k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+  a_q = (3 * jax.random.normal(k1, (m, k))).astype(jnp.float8_e4m3fn)
+  b_q = (3 * jax.random.normal(k2, (n, k))).astype(jnp.float8_e4m3fn)
+  a_s = jnp.exp2(jax.random.uniform(k3, (m, k // 128), minval=-8, maxval=-2))
+  b_s = jnp.exp2(jax.random.uniform(k4, (n if row_scales else n // 128, k // 128), minval=-8, maxval=-2))
+  return a_q, a_s, b_q, b_s
+
+
+def _rel_err(out, ref) -> float:
+  out = jnp.asarray(out, jnp.float32)
+  ref = jnp.asarray(ref, jnp.float32)
+  return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
+def _on_hopper() -> bool:
+  try:
+    d = jax.devices()[0]
+  except RuntimeError:
+    return False
+  return d.platform == "gpu" and getattr(d, "compute_capability", "") == "9.0"
+
+
+requires_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 (Hopper) GPU")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# CPU: interpret mode
+# ------------------------------------------------------------------------------------------------------------------
+
+MGPU_CASES = [  # (m, n, k, row_scales, config or None, out_dtype)
+    (1, 256, 256, False, None, jnp.float32),
+    (7, 256, 384, True, None, jnp.float32),
+    (130, 256, 256, False, mgpu.TuningConfig(split="m", wg_n=64, max_concurrent_steps=2), jnp.float32),
+    (64, 512, 256, False, mgpu.TuningConfig(split="n", wg_n=128, max_concurrent_steps=3), jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("m,n,k,row_scales,cfg,out_dtype", MGPU_CASES)
+def test_mgpu_interpret_matches_reference(m, n, k, row_scales, cfg, out_dtype):
+  ops = _operands(m * 1000 + n + k, m, n, k, row_scales)
+  out = mgpu.fp8_gemm(*ops, out_dtype=out_dtype, config=cfg, interpret=True)
+  assert out.shape == (m, n) and out.dtype == out_dtype
+  ref = fp8_gemm_reference(*ops, out_dtype=jnp.float32)
+  assert _rel_err(out, ref) <= (1e-6 if out_dtype == jnp.float32 else 5e-3)
+
+
+def test_mgpu_interpret_rows_do_not_depend_on_m():
+  """Interpret-mode twin of the GPU batch-invariance test (ragged M, a different tile config per M).
+
+  On CPU the emulated wgmma is an XLA dot whose summation order depends on its shape, so the operands here are
+  small integers with power-of-two scales: every sum is exact, and equality checks row placement and padding.
+  Bitwise invariance of the real hardware math is tested on the GPU.
+  """
+  k1, k2, k3, k4 = jax.random.split(jax.random.key(11), 4)
+  a_q = jax.random.randint(k1, (130, 256), -8, 9).astype(jnp.float8_e4m3fn)
+  b_q = jax.random.randint(k2, (256, 256), -8, 9).astype(jnp.float8_e4m3fn)
+  a_s = jnp.exp2(jax.random.randint(k3, (130, 2), -4, 4).astype(jnp.float32))
+  b_s = jnp.exp2(jax.random.randint(k4, (2, 2), -4, 4).astype(jnp.float32))
+  full = mgpu.fp8_gemm(a_q, a_s, b_q, b_s, out_dtype=jnp.float32, interpret=True)
+  np.testing.assert_array_equal(np.asarray(full), np.asarray(fp8_gemm_reference(a_q, a_s, b_q, b_s, jnp.float32)))
+  part = mgpu.fp8_gemm(a_q[100:107], a_s[100:107], b_q, b_s, out_dtype=jnp.float32, interpret=True,
+                       config=mgpu.TuningConfig(split="n", wg_n=32))
+  np.testing.assert_array_equal(np.asarray(part), np.asarray(full[100:107]))
+
+
+@pytest.mark.parametrize("m,n,k,row_scales", [(7, 256, 384, False), (130, 256, 256, True)])
+def test_triton_interpret_matches_reference(m, n, k, row_scales):
+  ops = _operands(m + n + k, m, n, k, row_scales)
+  out = tgemm.fp8_gemm(*ops, out_dtype=jnp.float32, interpret=True)
+  assert out.shape == (m, n)
+  assert _rel_err(out, fp8_gemm_reference(*ops, out_dtype=jnp.float32)) <= 1e-6
+
+
+@pytest.mark.parametrize("fn", [mgpu.fp8_gemm, tgemm.fp8_gemm], ids=["mgpu", "triton"])
+def test_bad_shapes_raise(fn):
+  a_q, a_s, b_q, b_s = _operands(0, 8, 256, 256)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    fn(a_q, a_s, b_q[:200], b_s, out_dtype=jnp.bfloat16)  # N = 200
+  with pytest.raises(ValueError, match="multiple of 128"):
+    fn(a_q[:, :200], a_s, b_q[:, :200], b_s, out_dtype=jnp.bfloat16)  # K = 200
+  with pytest.raises(ValueError, match="float8_e4m3fn"):
+    fn(a_q.astype(jnp.bfloat16), a_s, b_q, b_s, out_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="scale"):
+    fn(a_q, a_s[:, :1], b_q, b_s, out_dtype=jnp.bfloat16)
+
+
+def test_tuning_config_validates():
+  with pytest.raises(ValueError, match="wg_n"):
+    mgpu.TuningConfig(wg_n=96)
+  with pytest.raises(ValueError, match="split"):
+    mgpu.TuningConfig(split="k")
+
+
+@pytest.mark.parametrize("m", [1, 64, 256, 8192, 65536])
+def test_config_per_shape_class(m):
+  """Small M gets 64-row CTAs (no padding to 128); every config tiles N exactly."""
+  for k, n in LLAMA_8B_SHAPES.values():
+    cfg = mgpu.choose_config(m, n, k, num_sms=132)
+    assert n % cfg.cta_n == 0
+    if m <= 64:
+      assert cfg.cta_m == 64
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# CPU: lowering for the cuda platform (catches layout / dtype / SMEM-transform errors without a GPU)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _abstract_args(m, n, k, row_scales):
+  return (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
+          jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
+          jax.ShapeDtypeStruct((n if row_scales else n // 128, k // 128), jnp.float32))
+
+
+def _lower_cuda(fn, *args):
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("m", [1, 64, 256, 8192])
+def test_mgpu_lowers_for_cuda_llama_shapes(m):
+  for k, n in LLAMA_8B_SHAPES.values():
+    f = functools.partial(mgpu.fp8_gemm, out_dtype=jnp.bfloat16, num_sms=132)
+    assert "mosaic_gpu" in _lower_cuda(f, *_abstract_args(m, n, k, False))
+
+
+@pytest.mark.parametrize("cfg", [
+    mgpu.TuningConfig(split="m", wg_n=128, max_concurrent_steps=6),
+    mgpu.TuningConfig(split="n", wg_n=16, max_concurrent_steps=8),
+    mgpu.TuningConfig(split="n", wg_n=64, grid_minor_dim="m", grid_tile_width=4),
+], ids=str)
+@pytest.mark.parametrize("row_scales,out_dtype", [(False, jnp.float32), (True, jnp.float32), (True, jnp.bfloat16)])
+def test_mgpu_lowers_for_cuda_configs(cfg, row_scales, out_dtype):
+  f = functools.partial(mgpu.fp8_gemm, out_dtype=out_dtype, config=cfg, num_sms=132)
+  assert "mosaic_gpu" in _lower_cuda(f, *_abstract_args(200, 512, 1024, row_scales))
+
+
+def test_triton_lowers_for_cuda():
+  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=dev)
+  with jax.sharding.use_abstract_mesh(mesh):
+    for m, row_scales in ((1, False), (8192, False), (4096, True)):
+      k, n = LLAMA_8B_SHAPES["down"]
+      f = functools.partial(tgemm.fp8_gemm, out_dtype=jnp.bfloat16)
+      assert "triton" in _lower_cuda(f, *_abstract_args(m, n, k, row_scales))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# GPU (H200): the real kernels
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("name", list(LLAMA_8B_SHAPES))
+@pytest.mark.parametrize("m", [1, 130, 1024])
+def test_gpu_mgpu_matches_reference_llama_shapes(name, m):
+  k, n = LLAMA_8B_SHAPES[name]
+  ops = _operands(hash((name, m)) % 1000, m, n, k)
+  ref = fp8_gemm_reference(*ops, out_dtype=jnp.float32)
+  out32 = mgpu.fp8_gemm(*ops, out_dtype=jnp.float32)
+  assert _rel_err(out32, ref) <= 1e-3
+  out16 = mgpu.fp8_gemm(*ops, out_dtype=jnp.bfloat16)
+  assert out16.dtype == jnp.bfloat16 and _rel_err(out16, ref) <= 5e-3
+  assert bool(jnp.all(jnp.isfinite(out16)))
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("m,n,k", [(4096, 4096, 8192), (4096, 14336, 8192)])
+def test_gpu_mgpu_wgrad_row_scales(m, n, k):
+  ops = _operands(m + n, m, n, k, row_scales=True)
+  out = mgpu.fp8_gemm(*ops, out_dtype=jnp.float32)
+  assert _rel_err(out, fp8_gemm_reference(*ops, out_dtype=jnp.float32)) <= 1e-3
+
+
+def _invariance_configs():
+  return [None] + [mgpu.TuningConfig(split=s, wg_n=w) for s in ("m", "n") for w in (16, 32, 64, 128)]
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("row_scales,out_dtype", [(False, jnp.bfloat16), (True, jnp.float32)])
+def test_gpu_mgpu_batch_invariance_bitwise(row_scales, out_dtype):
+  """A row of C is bitwise the same for every M, every position in A, and every tile config."""
+  k, n = LLAMA_8B_SHAPES["qkv"]
+  big_m = 8192
+  a_q, a_s, b_q, b_s = _operands(7, big_m, n, k, row_scales)
+  full = np.asarray(mgpu.fp8_gemm(a_q, a_s, b_q, b_s, out_dtype=out_dtype))
+  for m, start in ((1, 0), (1, 4097), (7, 123), (64, 64), (130, 1000), (256, 7936), (2000, 3)):
+    part = mgpu.fp8_gemm(a_q[start:start + m], a_s[start:start + m], b_q, b_s, out_dtype=out_dtype)
+    np.testing.assert_array_equal(np.asarray(part), full[start:start + m], err_msg=f"M={m} start={start}")
+  perm = np.random.default_rng(0).permutation(big_m)[:300]
+  moved = mgpu.fp8_gemm(a_q[perm], a_s[perm], b_q, b_s, out_dtype=out_dtype)
+  np.testing.assert_array_equal(np.asarray(moved), full[perm], err_msg="rows moved within A")
+  for cfg in _invariance_configs():
+    out = mgpu.fp8_gemm(a_q[:512], a_s[:512], b_q, b_s, out_dtype=out_dtype, config=cfg)
+    np.testing.assert_array_equal(np.asarray(out), full[:512], err_msg=f"config {cfg}")
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("m,name,row_scales", [(1, "o", False), (130, "down", False), (2048, "qkv", False),
+                                               (512, "o", True)])
+def test_gpu_triton_matches_reference_and_is_batch_invariant(m, name, row_scales):
+  k, n = LLAMA_8B_SHAPES[name]
+  ops = _operands(m, m, n, k, row_scales)
+  out = tgemm.fp8_gemm(*ops, out_dtype=jnp.float32)
+  assert _rel_err(out, fp8_gemm_reference(*ops, out_dtype=jnp.float32)) <= 1e-3
+  a_q, a_s, b_q, b_s = ops
+  part = tgemm.fp8_gemm(a_q[m // 2:], a_s[m // 2:], b_q, b_s, out_dtype=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(part), np.asarray(out[m // 2:]))
