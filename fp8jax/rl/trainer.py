@@ -1,0 +1,520 @@
+"""The GRPO loop: rollouts and gradients in FP8 through one engine, driven by one config.
+
+Per RL step (``RLTrainer.step``):
+  1. requantize: ``sampler.prepare_params(master, recipe)`` -> FP8 weights for the sampler (one jitted pass);
+  2. rollout: G completions per prompt; the sampler's log-probs are the old-policy log-probs (same model function,
+     same quantizer, same GEMMs as the trainer — fp8jax/__init__ and tests/test_sampler.py);
+  3. reward (host side) -> leave-one-out group advantages (fp8jax.rl.grpo);
+  4. reference log-probs only when grpo.kl_beta != 0; trainer log-probs of a sample of sequences for the mismatch
+     metrics (or of all of them with grpo.recompute_old_logp);
+  5. ``train_step`` per minibatch: FP8 forward/dgrad/wgrad, gradient accumulation over microbatches, AdamW;
+  6. the next rollout's FP8 KV scales come from the K/V amax the training forward recorded.
+All randomness derives from (seed, step), so an interrupted and resumed run repeats the same metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import fp8jax
+from fp8jax import kvcache, ops, quant, sampler as sampler_lib, sharding
+from fp8jax.checkpoint import Checkpointer
+from fp8jax.metrics import MetricsWriter, plot
+from fp8jax.model import llama
+from fp8jax.model.config import ModelConfig
+from fp8jax.rl import grpo
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  num_prompts: int = 16
+  num_generations: int = 8
+  normalize_std: bool = True
+  leave_one_out: bool = True
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  dual_clip: float = 0.0  # 0 = off
+  agg: str = "token_mean"
+  kl_beta: float = 0.0
+  is_kind: str = "none"
+  is_lo: float = 0.5
+  is_hi: float = 2.0
+  recompute_old_logp: bool = False
+  mismatch_sample: int = 16
+  dynamic_sampling: bool = False
+  max_refills: int = 2
+  overlong_filter: bool = False
+  minibatches: int = 1
+  microbatch: int = 64
+
+  @property
+  def batch(self) -> int:
+    return self.num_prompts * self.num_generations
+
+  def __post_init__(self):
+    if self.batch % self.minibatches:
+      raise ValueError(f"grpo.num_prompts*num_generations={self.batch} must divide by grpo.minibatches={self.minibatches}")
+    mb = self.batch // self.minibatches
+    if mb % min(self.microbatch, mb):
+      raise ValueError(f"minibatch of {mb} sequences must divide by grpo.microbatch={self.microbatch}")
+    if self.is_kind not in grpo.IS_KINDS:
+      raise ValueError(f"grpo.is_kind={self.is_kind!r} is not one of {grpo.IS_KINDS}")
+    if self.agg not in grpo.AGG_KINDS:
+      raise ValueError(f"grpo.agg={self.agg!r} is not one of {grpo.AGG_KINDS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  lr: float = 1e-3
+  schedule: str = "constant"  # "constant" | "warmup_constant" | "cosine"
+  warmup_steps: int = 0
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.99
+  eps: float = 1e-8
+  grad_clip: float = 1.0
+
+
+def from_config(cls, c):
+  """A frozen dataclass from a ConfigDict group; unknown keys fail naming the group."""
+  d = dict(c)
+  unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+  if unknown:
+    raise ValueError(f"unknown {cls.__name__} config keys: {sorted(unknown)}")
+  return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+def make_optimizer(oc: OptimConfig, total_steps: int):
+  if oc.schedule == "constant":
+    sched = optax.constant_schedule(oc.lr)
+  elif oc.schedule == "warmup_constant":
+    sched = optax.join_schedules([optax.linear_schedule(0.0, oc.lr, max(oc.warmup_steps, 1)),
+                                  optax.constant_schedule(oc.lr)], [oc.warmup_steps])
+  elif oc.schedule == "cosine":
+    sched = optax.warmup_cosine_decay_schedule(0.0, oc.lr, max(oc.warmup_steps, 1), max(total_steps, 2),
+                                               end_value=oc.lr * oc.min_lr_ratio)
+  else:
+    raise ValueError(f"optim.schedule={oc.schedule!r} is not 'constant', 'warmup_constant' or 'cosine'")
+  tx = optax.chain(optax.clip_by_global_norm(oc.grad_clip) if oc.grad_clip > 0 else optax.identity(),
+                   optax.adamw(sched, b1=oc.b1, b2=oc.b2, eps=oc.eps, weight_decay=oc.weight_decay))
+  return tx, sched
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+  params: Any  # FP32 master weights
+  opt_state: Any
+  step: jax.Array
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Pure steps
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def sequence_logprobs(params, tokens_BxL, cfg: ModelConfig, lcfg, recipe: quant.Recipe, kv_scales, temperature):
+  """Trainer log-probs (B, L-1) of each next token, FP8 per the recipe, + per-layer K/V amax and entropy."""
+  p = quant.mark_fp8(params, recipe) if not _is_quantized(params) else params
+  hidden, _, aux = llama.forward(p, tokens_BxL, cfg, lcfg, kv_scales=kv_scales)
+  lg = llama.logits(p, hidden[:, :-1], cfg, lcfg)
+  return llama.token_logprobs(lg, tokens_BxL[:, 1:], temperature), llama.token_entropy(lg, temperature), aux
+
+
+def _is_quantized(params) -> bool:
+  return any(isinstance(x, quant.QWeight) for x in jax.tree.leaves(params, is_leaf=quant.is_fp8_leaf))
+
+
+def grpo_loss(params, mb, cfg: ModelConfig, lcfg, recipe, gc: GRPOConfig, temperature, n_tok, n_seq):
+  """Loss of one microbatch (summed over microbatches it is the minibatch loss; see grpo.policy_loss)."""
+  logp, ent, aux = sequence_logprobs(params, mb["tokens"], cfg, lcfg, recipe, mb.get("kv_scales"), temperature)
+  loss, m = grpo.policy_loss(
+      logp, mb["old_logp"], mb["adv"], mb["mask"], eps_low=gc.eps_low, eps_high=gc.eps_high,
+      dual_clip=gc.dual_clip or None, agg=gc.agg, is_weights_BxT=mb.get("is_weights"),
+      ref_logp_BxT=mb.get("ref_logp"), kl_beta=gc.kl_beta, global_token_count=n_tok, global_seq_count=n_seq,
+      entropy_BxT=ent)
+  return loss, (m, aux)
+
+
+def sft_loss(params, mb, cfg: ModelConfig, lcfg, recipe, gc, temperature, n_tok, n_seq):
+  """Cross-entropy on masked target tokens (the tiny task's supervised warm-start), same FP8 forward."""
+  del gc, n_seq
+  logp, ent, aux = sequence_logprobs(params, mb["tokens"], cfg, lcfg, recipe, mb.get("kv_scales"), temperature)
+  loss = -jnp.sum(logp * mb["mask"]) / n_tok
+  return loss, ({"nll": loss, "entropy": jnp.sum(ent * mb["mask"]) / n_tok}, aux)
+
+
+def train_step(state: TrainState, batch: dict, *, loss_fn, tx, cfg, lcfg, recipe, gc, microbatch, temperature=1.0):
+  """One optimizer step over ``batch`` with gradient accumulation over microbatches (lax.scan).
+
+  Returns the new state and metrics (means over microbatches; loss summed, i.e. the minibatch loss), plus
+  ``k_amax_L``/``v_amax_L`` (max over microbatches) for FP8 KV-scale recalibration.
+  """
+  b = batch["tokens"].shape[0]
+  mb = min(microbatch, b)
+  n_micro = b // mb
+  n_tok = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+  n_seq = jnp.maximum(jnp.sum(jnp.any(batch["mask"] > 0, axis=-1)), 1.0)
+  kv_scales = batch.pop("kv_scales", None)
+  micro = jax.tree.map(lambda x: x.reshape(n_micro, mb, *x.shape[1:]), batch)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def body(acc, mbatch):
+    if kv_scales is not None:
+      mbatch = dict(mbatch, kv_scales=kv_scales)
+    (loss, (m, aux)), g = grad_fn(state.params, mbatch, cfg, lcfg, recipe, gc, temperature, n_tok, n_seq)
+    gsum, lsum = acc
+    return (jax.tree.map(jnp.add, gsum, g), lsum + loss), (m, aux.k_amax_L, aux.v_amax_L)
+
+  zeros = jax.tree.map(jnp.zeros_like, state.params)
+  (grads, loss), (ms, k_amax, v_amax) = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {k: jnp.mean(v) for k, v in ms.items()}
+  metrics.update(loss=loss, grad_norm=optax.global_norm(grads), k_amax_L=jnp.max(k_amax, 0), v_amax_L=jnp.max(v_amax, 0))
+  return TrainState(params, opt_state, state.step + 1), metrics
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The loop
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class NonFiniteLoss(RuntimeError):
+  pass
+
+
+class RLTrainer:
+  """Owns the state, the sampler, the task and the writers of one run (built from a ConfigDict)."""
+
+  def __init__(self, config, workdir: str | None = None, *, devices=None, progress: bool = True):
+    self.c = config
+    self.workdir = workdir or config.workdir
+    self.cfg = ModelConfig.from_config(config.model)
+    self.recipe = quant.Recipe.from_config(config.fp8)
+    self.gc = from_config(GRPOConfig, config.grpo)
+    self.oc = from_config(OptimConfig, config.optim)
+    self.lcfg = ops.LinearConfig.from_recipe(self.recipe)
+    r = config.rollout
+    self.scfg = sampler_lib.SamplerConfig(slots=r.slots, max_len=r.max_len, prompt_buckets=tuple(r.prompt_buckets),
+                                          kv_cache=self.recipe.kv_cache, decode_chunk=r.decode_chunk)
+    self.task = _make_task(config, self.cfg)
+    self.sp = sampler_lib.SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                         max_new_tokens=r.max_new_tokens, stop_token_ids=(self.task.eos_id,))
+    if self.recipe.mode == "fp8" and self.cfg.fp8_shape_problems():
+      log.warning("FP8 GEMMs will zero-pad: %s", ", ".join(self.cfg.fp8_shape_problems()))
+    self.mesh = sharding.make_mesh(config.mesh, devices)
+    self.sampler = sampler_lib.Sampler(self.cfg, self.scfg, self.lcfg)
+    self.total_steps = int(config.train.steps)
+    self.tx, self.lr_sched = make_optimizer(self.oc, self.total_steps)
+    self._build_steps()
+    self.state = self._init_state()
+    self.ref_params = None
+    self.kv_scales = None
+    self.warm_done = False
+    self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=config.checkpoint.keep)
+
+  # -- setup --------------------------------------------------------------------------------------------------------
+
+  def _build_steps(self):
+    kw = dict(tx=self.tx, cfg=self.cfg, lcfg=self.lcfg, recipe=self.recipe, gc=self.gc)
+    self._grpo_step = fp8jax.jit(functools.partial(train_step, loss_fn=grpo_loss, microbatch=self.gc.microbatch,
+                                                   temperature=self.sp.temperature, **kw), donate_argnums=(0,))
+    ws = self.c.warmstart
+    self._sft_tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(ws.lr)) if ws.steps else None
+    if self._sft_tx is not None:
+      self._sft_step = fp8jax.jit(functools.partial(
+          train_step, loss_fn=sft_loss, microbatch=ws.batch, **dict(kw, tx=self._sft_tx)), donate_argnums=(0,))
+    self._logprobs = fp8jax.jit(functools.partial(sequence_logprobs, cfg=self.cfg, lcfg=self.lcfg,
+                                                  recipe=self.recipe, temperature=self.sp.temperature))
+    self._prepare = fp8jax.jit(functools.partial(sampler_lib.prepare_params, recipe=self.recipe))
+
+  def _init_state(self) -> TrainState:
+    params = llama.init_params(self.cfg, seed=int(self.c.seed))
+    shard = sharding.tree_shardings(params, self.mesh)
+    params = jax.device_put(params, shard)
+    opt_state = self.tx.init(params)
+    return TrainState(params, opt_state, jnp.zeros((), jnp.int32))
+
+  def load_pretrained(self, params):
+    """Starts from given master params (e.g. fp8jax.hf.load_params); resets the optimizer."""
+    params = jax.device_put(params, sharding.tree_shardings(params, self.mesh))
+    self.state = TrainState(params, self.tx.init(params), jnp.zeros((), jnp.int32))
+    self.warm_done = True
+
+  # -- pieces -------------------------------------------------------------------------------------------------------
+
+  def warmstart(self):
+    """Supervised warm-start on the embedded task (tiny configs): teaches the answer format before GRPO."""
+    ws = self.c.warmstart
+    if not ws.steps or self.warm_done:
+      return {}
+    state = TrainState(self.state.params, self._sft_tx.init(self.state.params), jnp.zeros((), jnp.int32))
+    t0 = time.perf_counter()
+    for i in range(ws.steps):
+      sb = self.task.supervised_examples(ws.batch, step=i, seq_len=self.scfg.max_len)
+      batch = {"tokens": sb.tokens_NxL, "mask": sb.loss_mask_NxL[:, 1:]}
+      state, m = self._sft_step(state, sharding.shard_batch(batch, self.mesh))
+    self.state = TrainState(state.params, self.tx.init(state.params), self.state.step)
+    self.warm_done = True
+    return {"warmstart_nll": float(m["nll"]), "warmstart_s": time.perf_counter() - t0}
+
+  def validate(self) -> dict:
+    """Greedy accuracy on the held-out prompts, sampled through the rollout path (FP8 weights and KV cache)."""
+    prompts, answers = self.task.validation(int(self.c.train.val_prompts))
+    sp = dataclasses.replace(self.sp, greedy=True)
+    ro = self.sampler.generate(self._prepare(self.state.params), prompts, sp, n=1, kv_scales=self._kv_scales())
+    rewards = self.task.score(ro, answers)
+    return {"val_accuracy": float(np.mean(rewards)), "val_len": float(np.mean(ro.lengths))}
+
+  def _kv_scales(self):
+    if self.recipe.kv_cache != "fp8":
+      return None
+    if self.kv_scales is None:  # before the first training step: calibrate on prompts with a BF16 cache prefill
+      prompts, _ = self.task.train_prompts(self.gc.num_prompts, step=0)
+      self.kv_scales = self.sampler.calibrate_kv_scales(self._prepare(self.state.params), prompts,
+                                                        float(self.c.rollout.kv_scale_margin))
+    return self.kv_scales
+
+  def _rollout(self, step: int, timing: dict):
+    """Generates groups; with dynamic sampling, drops zero-variance groups and refills (bounded)."""
+    gc = self.gc
+    keep_ro, keep_rw, keep_ans = [], [], []
+    t = time.perf_counter()
+    sparams = self._prepare(self.state.params)
+    jax.block_until_ready(sparams)
+    timing["requant_s"] = time.perf_counter() - t
+    timing["rollout_s"] = timing["reward_s"] = 0.0
+    stats = {}
+    n_groups = 0
+    for attempt in range(1 + (gc.max_refills if gc.dynamic_sampling else 0)):
+      prompts, answers = self.task.train_prompts(gc.num_prompts, step=step * (gc.max_refills + 1) + attempt)
+      t = time.perf_counter()
+      sp = dataclasses.replace(self.sp, seed=int(self.c.seed) * 100003 + step * 17 + attempt)
+      ro = self.sampler.generate(sparams, prompts, sp, n=gc.num_generations, kv_scales=self._kv_scales())
+      timing["rollout_s"] += time.perf_counter() - t
+      stats = {k: stats.get(k, 0) + v for k, v in ro.stats.items()}
+      t = time.perf_counter()
+      rewards = self.task.score(ro, [answers[i] for i in ro.prompt_idx]).reshape(gc.num_prompts, gc.num_generations)
+      timing["reward_s"] += time.perf_counter() - t
+      keep = np.asarray(grpo.dynamic_sampling_keep(rewards)) if gc.dynamic_sampling else np.ones(gc.num_prompts, bool)
+      keep_ro.append((ro, keep))
+      keep_rw.append(rewards)
+      n_groups += int(keep.sum())
+      if n_groups >= gc.num_prompts:
+        break
+    return keep_ro, keep_rw, stats
+
+  def _build_batch(self, parts, rewards_list):
+    """Concatenates kept groups (first num_prompts), pads with masked-out groups if dynamic sampling fell short."""
+    gc, g = self.gc, self.gc.num_generations
+    seqs, masks, olds, advs, rws, lens, fin = [], [], [], [], [], [], []
+    for (ro, keep), rewards in zip(parts, rewards_list):
+      s, m, o = ro.sequences(pad_id=self.task.pad_id)
+      adv, _ = grpo.group_advantages(jnp.asarray(rewards), normalize_std=gc.normalize_std,
+                                     leave_one_out=gc.leave_one_out)
+      for pi in np.flatnonzero(keep):
+        rows = slice(pi * g, (pi + 1) * g)
+        seqs.append(s[rows]), masks.append(m[rows]), olds.append(o[rows])
+        advs.append(np.asarray(adv[pi])), rws.append(rewards[pi]), lens.append(ro.lengths[rows])
+        fin.append(ro.finish_reason[rows])
+    n_real = min(len(seqs), gc.num_prompts)
+    seqs, masks, olds, advs = seqs[:gc.num_prompts], masks[:gc.num_prompts], olds[:gc.num_prompts], advs[:gc.num_prompts]
+    while len(seqs) < gc.num_prompts:  # pad: zero mask -> no gradient, no metrics
+      seqs.append(np.zeros_like(seqs[-1] if seqs else parts[0][0].sequences()[0][:g]))
+      masks.append(np.zeros_like(seqs[-1][:, 1:], np.float32))
+      olds.append(np.zeros_like(masks[-1]))
+      advs.append(np.zeros(g, np.float32))
+    batch = {"tokens": np.concatenate(seqs), "mask": np.concatenate(masks), "old_logp": np.concatenate(olds),
+             "adv": np.concatenate(advs).astype(np.float32)}
+    if gc.overlong_filter:
+      fin_all = np.concatenate(fin[:n_real] + [np.zeros(g, np.int32)] * (gc.num_prompts - n_real))
+      batch["mask"] = batch["mask"] * np.asarray(grpo.overlong_mask(fin_all == sampler_lib.FINISH_LENGTH))[:, None]
+    flat_rw = np.concatenate(rws[:n_real]) if n_real else np.zeros(1)
+    info = {"reward_mean": float(flat_rw.mean()), "reward_std": float(flat_rw.std()),
+            "gen_len_mean": float(np.mean(np.concatenate(lens[:n_real]))) if n_real else 0.0,
+            "gen_len_max": float(np.max(np.concatenate(lens[:n_real]))) if n_real else 0.0,
+            "groups_kept": float(n_real), "truncated_frac": float(np.mean(np.concatenate(fin[:n_real]))) if n_real else 0.0}
+    return batch, info
+
+  def step(self, step: int) -> dict:
+    """One RL step; returns host metrics."""
+    timing: dict[str, float] = {}
+    t_step = time.perf_counter()
+    parts, rewards, rstats = self._rollout(step, timing)
+    batch, info = self._build_batch(parts, rewards)
+    kv = self._kv_scales()
+    metrics: dict[str, Any] = dict(info)
+    t = time.perf_counter()
+    tokens_j = jnp.asarray(batch["tokens"])
+    # Mismatch metrics: trainer log-probs of a sample of sequences (all of them when recomputing old log-probs).
+    n_check = self.gc.batch if self.gc.recompute_old_logp else min(self.gc.mismatch_sample, self.gc.batch)
+    if n_check:
+      tr_lp, _, _ = self._logprobs(self.state.params, tokens_j[:n_check], kv_scales=kv)
+      mm = grpo.mismatch_metrics(jnp.asarray(batch["old_logp"][:n_check]), tr_lp, jnp.asarray(batch["mask"][:n_check]))
+      metrics.update(mm)
+      if self.gc.recompute_old_logp:
+        gen_lp = batch["old_logp"]
+        batch["old_logp"] = np.asarray(tr_lp)
+        if self.gc.is_kind != "none":
+          w, wm = grpo.importance_weights(tr_lp, jnp.asarray(gen_lp), jnp.asarray(batch["mask"]), kind=self.gc.is_kind,
+                                          lo=self.gc.is_lo, hi=self.gc.is_hi)
+          batch["is_weights"] = np.asarray(w)
+          metrics.update({f"is_{k}": v for k, v in wm.items()})
+    elif self.gc.is_kind != "none":
+      raise ValueError("grpo.is_kind needs grpo.recompute_old_logp=True (the trainer's old log-probs)")
+    if self.gc.kl_beta:  # the reference forward runs only with a KL penalty
+      if self.ref_params is None:
+        self.ref_params = self._prepare(self.state.params)
+      ref_lp, _, _ = self._logprobs(self.ref_params, tokens_j, kv_scales=kv)
+      batch["ref_logp"] = np.asarray(ref_lp)
+    timing["logprob_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    n_mb = self.gc.minibatches
+    size = self.gc.batch // n_mb
+    for i in range(n_mb):
+      mb = {k: v[i * size:(i + 1) * size] for k, v in batch.items()}
+      mb = sharding.shard_batch(mb, self.mesh)
+      if kv is not None:
+        mb["kv_scales"] = kv
+      lr = float(self.lr_sched(int(self.state.step)))
+      self.state, tm = self._grpo_step(self.state, mb)
+      loss = float(tm["loss"])
+      if not math.isfinite(loss):
+        raise NonFiniteLoss(f"non-finite loss {loss} at RL step {step} (minibatch {i}); the last good checkpoint "
+                            f"in {self.ckpt.directory} is left intact")
+    timing["train_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    if self.recipe.kv_cache == "fp8":  # next rollout's KV scales from this step's training-forward amax
+      self.kv_scales = (kvcache.scales_from_amax(tm["k_amax_L"], float(self.c.rollout.kv_scale_margin)),
+                        kvcache.scales_from_amax(tm["v_amax_L"], float(self.c.rollout.kv_scale_margin)))
+    timing["kv_recalib_s"] = time.perf_counter() - t
+    metrics.update({k: v for k, v in tm.items() if not k.endswith("_L")})
+    metrics["lr"] = lr
+    metrics["gen_tokens_per_s"] = rstats.get("generated_tokens", 0) / max(timing["rollout_s"], 1e-9)
+    metrics["mean_occupancy"] = rstats.get("mean_occupancy", 0.0) / max(len(parts), 1)
+    metrics["step_s"] = time.perf_counter() - t_step
+    metrics.update(timing)
+    return metrics
+
+  # -- run ----------------------------------------------------------------------------------------------------------
+
+  def _meta(self, step: int) -> dict:
+    meta = {"step": step, "seed": int(self.c.seed), "warm_done": self.warm_done,
+            "kv_scales": None if self.kv_scales is None else [np.asarray(s).tolist() for s in self.kv_scales]}
+    meta.update(self.task.state())
+    return meta
+
+  def save(self, step: int):
+    self.ckpt.save(step, self.state, self._meta(step))
+
+  def restore(self) -> int:
+    """Restores the latest checkpoint if any; returns the next RL step to run."""
+    last = self.ckpt.latest_step()
+    if last is None:
+      return 0
+    self.state, meta = self.ckpt.restore(last, self.state)
+    self.warm_done = meta["warm_done"]
+    self.kv_scales = None if meta["kv_scales"] is None else tuple(jnp.asarray(s, jnp.float32) for s in meta["kv_scales"])
+    self.task.load_state(meta)
+    log.info("resumed from %s step %d", self.ckpt.directory, last)
+    return last
+
+  def run(self, steps: int | None = None, *, progress: bool = True) -> list[dict]:
+    steps = self.total_steps if steps is None else steps
+    start = self.restore() if self.c.checkpoint.resume else 0
+    writer = MetricsWriter(self.workdir, steps - start, progress=progress)
+    history = []
+    try:
+      if start == 0:
+        ws = self.warmstart()
+        row = writer.write(0, {**ws, **self.validate(), "ckpt_s": 0.0})
+        history.append(row)
+      for step in range(start, steps):
+        m = self.step(step)
+        if (step + 1) % self.c.train.val_every == 0 or step + 1 == steps:
+          m.update(self.validate())
+        t = time.perf_counter()
+        if (step + 1) % self.c.checkpoint.every == 0 or step + 1 == steps:
+          self.save(step + 1)
+        m["ckpt_s"] = time.perf_counter() - t
+        history.append(writer.write(step + 1, m))
+    finally:
+      writer.close()
+    plot(self.workdir)
+    return history
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Tasks: what the loop needs from a data source
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class _ArithmeticSource:
+  """Adapter: the embedded arithmetic task (tokenized prompts, exact-match reward)."""
+
+  def __init__(self, config):
+    from fp8jax.rl import tasks  # noqa: PLC0415
+
+    a = config.arithmetic
+    self.task = tasks.ArithmeticTask(seed=int(config.seed), difficulty=a.difficulty, num_val=a.num_val)
+    self.tok = self.task.tokenizer
+    self.pad_id = self.tok.pad_id
+    self.eos_id = self.tok.eos_id
+
+  def _encode(self, prompts):
+    return [self.tok.encode(p, add_bos=True) for p in prompts]
+
+  def train_prompts(self, n, step):
+    prompts, answers = self.task.sample(n, step=step)
+    return self._encode(prompts), answers
+
+  def validation(self, n):
+    prompts, answers = self.task.validation()
+    return self._encode(prompts[:n]), answers[:n]
+
+  def supervised_examples(self, n, step, seq_len):
+    return self.task.supervised_examples(n, step=step, seq_len=seq_len)
+
+  def _decode(self, ids):
+    # The model's vocabulary is padded to a multiple of 128; ids the tokenizer lacks decode as '?' (reward 0).
+    v = self.tok.vocab_size
+    return "".join(self.tok.decode([i]) if i < v else "?" for i in ids)
+
+  def score(self, ro, answers):
+    texts = [self._decode(ro.tokens[i, :ro.lengths[i]]) for i in range(len(answers))]
+    return np.array([self.task.reward(t, a) for t, a in zip(texts, answers)], np.float32)
+
+  def state(self):
+    return {"task": self.task.state()}
+
+  def load_state(self, meta):
+    self.task.load_state(meta["task"])
+
+
+def _make_task(config, cfg: ModelConfig):
+  if config.task == "arithmetic":
+    src = _ArithmeticSource(config)
+    if src.tok.vocab_size > cfg.vocab_size:
+      raise ValueError(f"model.vocab_size={cfg.vocab_size} < the arithmetic tokenizer's {src.tok.vocab_size}")
+    return src
+  if config.task == "math":
+    from fp8jax.rl.math_source import MathSource  # noqa: PLC0415
+
+    return MathSource(config)
+  raise ValueError(f"task={config.task!r} is not 'arithmetic' or 'math'")

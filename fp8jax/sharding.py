@@ -1,0 +1,85 @@
+"""Mesh and partition rules, in one place.
+
+Mesh axes: ``data`` (pure data parallel), ``fsdp`` (data parallel with parameters and optimizer state sharded),
+``tensor`` (Megatron-style tensor parallel). Rules are keyed by the parameter's leaf name, so the same rules
+serve master params, their optimizer moments (optax keeps trees of the same structure) and quantized weights:
+
+  wq, wk, wv, w_gate, w_up (out, in):  out over tensor, in over fsdp  (column parallel)
+  wo, w_down              (out, in):   out over fsdp,  in over tensor (row parallel)
+  embed, lm_head          (V, D):      V over tensor,  D over fsdp
+  norms, scalars, FP8 scales:          replicated
+A dimension that a mesh axis does not divide stays unsharded on that axis (so tiny models work on any mesh).
+Batches are sharded over (data, fsdp) on their first dimension.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+_RULES = {
+    "wq": ("tensor", "fsdp"), "wk": ("tensor", "fsdp"), "wv": ("tensor", "fsdp"), "w_gate": ("tensor", "fsdp"),
+    "w_up": ("tensor", "fsdp"), "wo": ("fsdp", "tensor"), "w_down": ("fsdp", "tensor"),
+    "embed": ("tensor", "fsdp"), "lm_head": ("tensor", "fsdp"),
+}
+
+
+def make_mesh(mesh_cfg, devices=None) -> Mesh:
+  """Mesh from the config's ``mesh`` group; one size may be -1 (all remaining devices)."""
+  devices = list(devices if devices is not None else jax.devices())
+  sizes = {a: int(mesh_cfg[a]) for a in AXES}
+  free = [a for a, s in sizes.items() if s == -1]
+  if len(free) > 1:
+    raise ValueError(f"mesh: at most one of {AXES} may be -1, got {sizes}")
+  known = int(np.prod([s for s in sizes.values() if s != -1]))
+  if free:
+    if len(devices) % known:
+      raise ValueError(f"mesh: {len(devices)} devices are not divisible by the fixed axes {sizes}")
+    sizes[free[0]] = len(devices) // known
+  total = int(np.prod(list(sizes.values())))
+  if total != len(devices):
+    raise ValueError(f"mesh: {sizes} needs {total} devices, {len(devices)} are available (set mesh.* in the config)")
+  return Mesh(np.asarray(devices).reshape([sizes[a] for a in AXES]), AXES)
+
+
+def _leaf_name(path) -> str:
+  for k in reversed(path):
+    name = getattr(k, "key", getattr(k, "name", None))
+    if isinstance(name, str) and name not in ("q", "scale", "w", "mu", "nu"):
+      return name
+  return ""
+
+
+def _is_scale(path) -> bool:
+  return any(getattr(k, "name", None) == "scale" for k in path)
+
+
+def spec_for(path, shape, mesh: Mesh) -> P:
+  """PartitionSpec of one leaf (see module docstring)."""
+  rule = _RULES.get(_leaf_name(path))
+  if rule is None or len(shape) != 2 or _is_scale(path):
+    return P()
+  return P(*[ax if shape[i] % mesh.shape[ax] == 0 else None for i, ax in enumerate(rule)])
+
+
+def tree_shardings(tree, mesh: Mesh):
+  """NamedShardings for every leaf of a pytree of arrays or ShapeDtypeStructs."""
+  return jax.tree_util.tree_map_with_path(lambda p, x: NamedSharding(mesh, spec_for(p, x.shape, mesh)), tree)
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+  return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+def shard_batch(batch: dict, mesh: Mesh) -> dict:
+  """Places a dict of host arrays, first dim over (data, fsdp); the first dim must divide by that size."""
+  n = mesh.shape["data"] * mesh.shape["fsdp"]
+  out = {}
+  for k, v in batch.items():
+    if v.shape[0] % n:
+      raise ValueError(f"batch field {k!r} has {v.shape[0]} rows, not divisible by data*fsdp={n}")
+    out[k] = jax.device_put(v, batch_sharding(mesh, v.ndim))
+  return out

@@ -1,0 +1,44 @@
+"""GRPO post-training in FP8: ``python scripts/train.py --config=configs/tiny_fp8.py [--config.x=y] [--workdir=DIR]``.
+
+Thin entry point: parses flags, builds ``fp8jax.rl.trainer.RLTrainer`` and runs it. A mistyped override fails
+(the config is locked); ``--noresume`` starts over even if the workdir has checkpoints.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo (configs/, fp8jax/)
+
+import fp8jax  # noqa: E402,F401  (before jax: XLA flags)
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: config.workdir).")
+_RESUME = flags.DEFINE_bool("resume", True, "Resume from the latest checkpoint in the workdir.")
+_STEPS = flags.DEFINE_integer("steps", None, "Override the number of RL steps.")
+
+
+def main(argv):
+  del argv
+  if _CONFIG.value is None:
+    raise app.UsageError("--config is required, e.g. --config=configs/tiny_fp8.py")
+  from fp8jax.rl.trainer import RLTrainer  # noqa: PLC0415
+
+  config = _CONFIG.value
+  with config.unlocked():
+    config.checkpoint.resume = bool(_RESUME.value) and config.checkpoint.resume
+  logging.set_verbosity(logging.INFO)
+  trainer = RLTrainer(config, _WORKDIR.value)
+  history = trainer.run(_STEPS.value)
+  first = next((h for h in history if "val_accuracy" in h), {})
+  last = next((h for h in reversed(history) if "val_accuracy" in h), {})
+  print(f"\nrun directory: {trainer.workdir}")
+  print(f"validation accuracy: {first.get('val_accuracy', float('nan')):.3f} (after warm-start) -> "
+        f"{last.get('val_accuracy', float('nan')):.3f} (step {last.get('step')})")
+  print(f"metrics: {os.path.join(trainer.workdir, 'metrics.jsonl')}  plot: {os.path.join(trainer.workdir, 'metrics.png')}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,143 @@
+"""The GRPO loop end to end on the tiny config: a full step, KL skipping, resume, sharding, NaN stop, learning."""
+
+import fp8jax
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import tiny_fp8
+from fp8jax.rl import trainer as trainer_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_config(**overrides):
+  c = tiny_fp8.get_config()
+  c.warmstart.steps = 2
+  c.grpo.num_prompts = 4
+  c.grpo.num_generations = 4
+  c.grpo.microbatch = 8
+  c.grpo.mismatch_sample = 8
+  c.rollout.slots = 16
+  c.train.steps = 2
+  c.train.val_every = 100
+  c.train.val_prompts = 16
+  c.checkpoint.every = 1
+  for k, v in overrides.items():
+    group, field = k.split(".")
+    c[group][field] = v
+  return c
+
+
+def test_full_rl_step_and_one_engine_mismatch(tmp_path):
+  tr = trainer_lib.RLTrainer(small_config(), str(tmp_path))
+  tr.warmstart()
+  before = jax.tree.map(np.asarray, tr.state.params)
+  m = tr.step(0)
+  for key in ("reward_mean", "reward_std", "token_mult_prob_error", "gen_kl_error", "sampling_importance_ratio",
+              "loss", "grad_norm", "clip_frac_low", "clip_frac_high", "entropy", "lr", "gen_len_mean",
+              "gen_tokens_per_s", "rollout_s", "reward_s", "train_s", "requant_s", "kv_recalib_s"):
+    assert key in m, key
+  # One engine: the sampler's log-probs are the trainer's (FP8 weights, FP8 KV cache) up to FP32 reduction order.
+  assert float(m["token_mult_prob_error"]) <= 1 + 1e-5
+  assert int(tr.state.step) == 1
+  changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(tr.state.params))]
+  assert any(changed) or float(m["grad_norm"]) == 0.0
+  assert tr.kv_scales is not None and np.all(np.asarray(tr.kv_scales[0]) > 0)
+
+
+def test_kl_beta_zero_skips_reference_forward(tmp_path):
+  calls = []
+  tr = trainer_lib.RLTrainer(small_config(), str(tmp_path))
+  real = tr._logprobs
+  tr._logprobs = lambda params, tokens, **kw: calls.append(tokens.shape[0]) or real(params, tokens, **kw)
+  tr.step(0)
+  assert tr.ref_params is None and calls == [8]  # only the mismatch sample, no reference pass
+  tr2 = trainer_lib.RLTrainer(small_config(**{"grpo.kl_beta": 0.01}), str(tmp_path / "kl"))
+  m = tr2.step(0)
+  assert tr2.ref_params is not None and "kl" in m and float(m["kl"]) >= 0
+
+
+def _run(workdir, steps, **over):
+  c = small_config(**over)
+  c.train.steps = steps
+  tr = trainer_lib.RLTrainer(c, str(workdir))
+  return tr.run(progress=False)
+
+
+def test_resume_gives_the_same_metrics(tmp_path):
+  full = _run(tmp_path / "a", 3)
+  _run(tmp_path / "b", 2)
+  resumed = _run(tmp_path / "b", 3)  # restores step 2 and runs step 3
+  keys = ("reward_mean", "loss", "grad_norm", "token_mult_prob_error")
+  assert resumed[-1]["step"] == 3
+  for k in keys:
+    assert resumed[-1][k] == full[-1][k], (k, resumed[-1][k], full[-1][k])
+
+
+def test_nonfinite_loss_stops_and_keeps_last_checkpoint(tmp_path):
+  tr = trainer_lib.RLTrainer(small_config(), str(tmp_path))
+  tr.step(0)
+  tr.save(1)
+  bad = jax.tree.map(lambda x: x * jnp.nan if x.ndim == 2 else x, tr.state.params)
+  tr.state = trainer_lib.TrainState(bad, tr.state.opt_state, tr.state.step)
+  with pytest.raises(trainer_lib.NonFiniteLoss, match="RL step 1"):
+    tr.step(1)
+  assert tr.ckpt.latest_step() == 1
+  restored, meta = tr.ckpt.restore(1, tr.state)
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(restored.params)) and meta["step"] == 1
+
+
+SHARDED_SCRIPT = r"""
+import os, sys, json
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
+import fp8jax, jax
+from test_trainer import small_config
+from fp8jax.rl import trainer as T
+out = {{}}
+for name, mesh in (("one", dict(data=1, fsdp=1, tensor=1)), ("four", dict(data=1, fsdp=2, tensor=2))):
+  c = small_config()
+  c.mesh.update(mesh)
+  tr = T.RLTrainer(c, os.path.join({tmp!r}, name), devices=jax.devices()[:1] if name == "one" else None)
+  tr.warmstart()
+  m = tr.step(0)
+  out[name] = {{k: float(m[k]) for k in ("loss", "grad_norm", "reward_mean", "token_mult_prob_error")}}
+  out[name + "_spec"] = list(tr.state.params["layers"][0]["wq"].sharding.spec)
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_sharded_equals_unsharded_on_4_fake_devices(tmp_path):
+  script = SHARDED_SCRIPT.format(repo=REPO, tmp=str(tmp_path))
+  res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+  assert res.returncode == 0, res.stderr[-3000:]
+  out = json.loads(res.stdout.split("RESULT")[-1])
+  assert out["four_spec"] == ["tensor", "fsdp"]
+  assert out["one"]["reward_mean"] == out["four"]["reward_mean"]  # same rollouts
+  for k in ("loss", "grad_norm"):  # sharded reductions sum in another order: FP32-close, not bitwise
+    np.testing.assert_allclose(out["four"][k], out["one"][k], rtol=2e-2, atol=1e-5)
+
+
+def test_mistyped_override_fails_clearly():
+  res = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "train.py"), "--config=configs/tiny_fp8.py",
+                        "--config.grpo.num_promts=3"], capture_output=True, text=True, cwd=REPO, timeout=300)
+  assert res.returncode != 0
+  assert "num_promts" in res.stderr
+
+
+@pytest.mark.slow
+def test_tiny_default_learns(tmp_path):
+  """The README's main job, shortened: validation accuracy rises by a clear margin."""
+  c = tiny_fp8.get_config()
+  c.checkpoint.every = 10**6
+  hist = trainer_lib.RLTrainer(c, str(tmp_path)).run(progress=False)
+  accs = [h["val_accuracy"] for h in hist if "val_accuracy" in h]
+  assert accs[-1] >= accs[0] + 0.2, accs
