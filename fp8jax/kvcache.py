@@ -4,9 +4,10 @@ Layout: per decoder layer, ``k`` and ``v`` are (slots, max_len, n_kv_heads, head
 the key/value of the token at position ``j`` (post-RoPE keys). A query at position ``p`` attends slots ``j <= p``.
 
 FP8 cache: one FP32 scale per layer for K and one for V (per-tensor, as vLLM's FP8 KV cache). On write the values
-are quantized with ``quantize_kv``; attention reads ``dequantize_kv``. When the rollout uses an FP8 cache, the
-training forward applies ``fake_quant_kv`` with the same scales (straight-through gradient), which produces the
-very values the sampler's attention reads, so sampler and trainer still agree.
+are quantized with ``quantize_kv``; attention reads the E4M3 codes (upcast exactly to BF16) and multiplies the
+FP32 scores / outputs by the per-layer scale after the dots. When the rollout uses an FP8 cache, the training forward
+turns K/V into the same codes with ``kv_codes`` (same scales, straight-through gradient), so sampler and trainer run
+the same attention math on the same numbers.
 
 Scale statistic (documented contract, used by the RL loop): ``scale = margin * amax / 448`` where ``amax`` is the
 largest |K| (resp. |V|) of that layer seen in the last calibration pass (the previous training step's forward, or
@@ -73,20 +74,24 @@ def dequantize_kv(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 
 
 @jax.custom_vjp
-def fake_quant_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
-  """dequantize_kv(quantize_kv(x)) in x's dtype, with a straight-through gradient for x."""
-  return dequantize_kv(quantize_kv(x, scale), scale, x.dtype)
+def kv_codes(x: jax.Array, scale: jax.Array) -> jax.Array:
+  """The E4M3 codes of quantize_kv(x, scale) as x's dtype (exact), with a straight-through gradient (g / scale).
+
+  Attention multiplies the scores / outputs by ``scale`` after the dots, so the forward equals attention over the
+  FP8 cache's values and the backward is the identity through the quantization.
+  """
+  return quantize_kv(x, scale).astype(x.dtype)
 
 
-def _fq_fwd(x, scale):
-  return fake_quant_kv(x, scale), scale
+def _codes_fwd(x, scale):
+  return kv_codes(x, scale), scale
 
 
-def _fq_bwd(scale, g):
-  return g, jnp.zeros_like(scale)
+def _codes_bwd(scale, g):
+  return (g.astype(jnp.float32) * quant.reciprocal(scale)).astype(g.dtype), jnp.zeros_like(scale)
 
 
-fake_quant_kv.defvjp(_fq_fwd, _fq_bwd)
+kv_codes.defvjp(_codes_fwd, _codes_bwd)
 
 
 def write(cache_BxSxHxD: jax.Array, new_BxTxHxD: jax.Array, positions_BxT: jax.Array) -> jax.Array:

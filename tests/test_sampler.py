@@ -339,10 +339,10 @@ def test_fp8_kv_roundtrip_within_e4m3_bound():
   # values beyond the calibrated range saturate at +-448 * scale (no inf/NaN)
   big = kvcache.dequantize_kv(kvcache.quantize_kv(jnp.array([1e6, -1e6]), scale), scale, jnp.float32)
   np.testing.assert_allclose(np.asarray(big), [448 * float(scale), -448 * float(scale)], rtol=1e-6)
-  # fake_quant_kv (trainer side) is the same round trip, with a straight-through gradient
-  np.testing.assert_array_equal(np.asarray(kvcache.fake_quant_kv(x, scale)), np.asarray(deq.astype(x.dtype)))
-  g = jax.grad(lambda v: jnp.sum(kvcache.fake_quant_kv(v, scale).astype(jnp.float32)))(x)
-  np.testing.assert_array_equal(np.asarray(g, np.float32), np.ones(x.shape, np.float32))
+  # kv_codes (trainer side) are the cache's codes; codes * scale has a straight-through (identity) gradient
+  np.testing.assert_array_equal(np.asarray(kvcache.kv_codes(x, scale), np.float32), np.asarray(q, np.float32))
+  g = jax.grad(lambda v: jnp.sum(kvcache.kv_codes(v, scale).astype(jnp.float32) * scale))(x.astype(jnp.float32))
+  np.testing.assert_allclose(np.asarray(g), np.ones(x.shape, np.float32), rtol=1e-6)
 
 
 def test_calibrated_kv_scales_are_finite_positive(kv_scales):

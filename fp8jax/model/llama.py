@@ -80,10 +80,15 @@ def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, la
   q, k = apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq)
   amax = (_amax(k), _amax(v))
 
+  # K/V enter attention as (codes, scale): BF16 values with scale 1, or FP8 E4M3 codes (upcast exactly to BF16)
+  # whose per-layer scale multiplies the FP32 scores / outputs after the dots. The trainer (kv_scales) and the
+  # sampler (FP8 cache) run this same math on the same codes, and the cache is read as FP8 (half the bytes).
   new_layer = None
+  one = jnp.ones((), jnp.float32)
   if cache is None:
+    sk, sv = (one, one) if kv_scales is None else (kv_scales[0][layer], kv_scales[1][layer])
     if kv_scales is not None:  # training with an FP8 rollout cache: the same quantization, straight-through
-      k, v = kvc.fake_quant_kv(k, kv_scales[0][layer]), kvc.fake_quant_kv(v, kv_scales[1][layer])
+      k, v = kvc.kv_codes(k, sk), kvc.kv_codes(v, sv)
     keys, values = k, v
     key_pos = jnp.arange(t)
   else:
@@ -92,20 +97,21 @@ def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, la
       sk, sv = cache.k_scale_L[layer], cache.v_scale_L[layer]
       ck = kvc.write(ck, kvc.quantize_kv(k, sk), positions_BxT)
       cv = kvc.write(cv, kvc.quantize_kv(v, sv), positions_BxT)
-      keys, values = kvc.dequantize_kv(ck, sk, k.dtype), kvc.dequantize_kv(cv, sv, v.dtype)
     else:
+      sk, sv = one, one
       ck, cv = kvc.write(ck, k, positions_BxT), kvc.write(cv, v, positions_BxT)
-      keys, values = ck.astype(k.dtype), cv.astype(v.dtype)
+    keys, values = ck.astype(k.dtype), cv.astype(v.dtype)
     new_layer = (ck, cv)
     key_pos = jnp.arange(ck.shape[1])
 
   g = hq // hkv
   qg = q.reshape(b, t, hkv, g, hd)
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32) / math.sqrt(hd)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32) * (sk * (1 / math.sqrt(hd)))
   mask_BxTxS = key_pos[None, None, :] <= positions_BxT[:, :, None]
   scores = jnp.where(mask_BxTxS[:, None, None], scores, -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1).astype(x_BxTxD.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=jnp.float32).astype(x_BxTxD.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=jnp.float32)
+  out = (out * sv).astype(x_BxTxD.dtype)
   return ops.linear(out.reshape(b, t, hq * hd), p["wo"], lcfg), new_layer, amax
 
 

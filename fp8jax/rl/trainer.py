@@ -204,7 +204,17 @@ class RLTrainer:
   def __init__(self, config, workdir: str | None = None, *, devices=None, progress: bool = True):
     self.c = config
     self.workdir = workdir or config.workdir
-    self.cfg = ModelConfig.from_config(config.model)
+    hf_dir = config.checkpoint.hf_dir
+    if hf_dir:  # the architecture comes from the checkpoint (config.model is ignored then)
+      from fp8jax import hf  # noqa: PLC0415
+
+      if not os.path.isdir(hf_dir):
+        raise FileNotFoundError(f"checkpoint.hf_dir={hf_dir!r} is not a directory: download the HF model (config.json, "
+                                f"*.safetensors, tokenizer files) and point --config.checkpoint.hf_dir at it")
+      self.cfg = hf.load_config(hf_dir, dtype=config.model.dtype, max_seq_len=config.rollout.max_len)
+      self.cfg = dataclasses.replace(self.cfg, remat=bool(config.model.remat))
+    else:
+      self.cfg = ModelConfig.from_config(config.model)
     self.recipe = quant.Recipe.from_config(config.fp8)
     self.gc = from_config(GRPOConfig, config.grpo)
     self.oc = from_config(OptimConfig, config.optim)
@@ -214,7 +224,8 @@ class RLTrainer:
                                           kv_cache=self.recipe.kv_cache, decode_chunk=r.decode_chunk)
     self.task = _make_task(config, self.cfg)
     self.sp = sampler_lib.SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                         max_new_tokens=r.max_new_tokens, stop_token_ids=(self.task.eos_id,))
+                                         max_new_tokens=r.max_new_tokens,
+                                         stop_token_ids=tuple(getattr(self.task, "eos_ids", (self.task.eos_id,))))
     if self.recipe.mode == "fp8" and self.cfg.fp8_shape_problems():
       log.warning("FP8 GEMMs will zero-pad: %s", ", ".join(self.cfg.fp8_shape_problems()))
     self.mesh = sharding.make_mesh(config.mesh, devices)
@@ -222,10 +233,10 @@ class RLTrainer:
     self.total_steps = int(config.train.steps)
     self.tx, self.lr_sched = make_optimizer(self.oc, self.total_steps)
     self._build_steps()
+    self.warm_done = False
     self.state = self._init_state()
     self.ref_params = None
     self.kv_scales = None
-    self.warm_done = False
     self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=config.checkpoint.keep)
 
   # -- setup --------------------------------------------------------------------------------------------------------
@@ -244,9 +255,16 @@ class RLTrainer:
     self._prepare = fp8jax.jit(functools.partial(sampler_lib.prepare_params, recipe=self.recipe))
 
   def _init_state(self) -> TrainState:
-    params = llama.init_params(self.cfg, seed=int(self.c.seed))
-    shard = sharding.tree_shardings(params, self.mesh)
-    params = jax.device_put(params, shard)
+    if self.c.checkpoint.hf_dir:
+      from fp8jax import hf  # noqa: PLC0415
+
+      shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), llama.param_shapes(self.cfg),
+                            is_leaf=lambda x: isinstance(x, tuple))
+      params = hf.load_params(self.c.checkpoint.hf_dir, self.cfg, shardings=sharding.tree_shardings(shapes, self.mesh))
+      self.warm_done = True
+    else:
+      params = llama.init_params(self.cfg, seed=int(self.c.seed))
+      params = jax.device_put(params, sharding.tree_shardings(params, self.mesh))
     opt_state = self.tx.init(params)
     return TrainState(params, opt_state, jnp.zeros((), jnp.int32))
 
