@@ -3,12 +3,8 @@
 Run: python scripts/train.py --config=configs/llama8b_bf16.py --config.checkpoint.hf_dir=... --config.data.path=...
 """
 
-from configs import llama8b_fp8
+from configs import common, llama8b_fp8
 
 
 def get_config(arg=None):
-  c = llama8b_fp8.get_config(arg)
-  c.workdir = "runs/llama8b_bf16"
-  c.fp8.mode = "bf16"
-  c.fp8.kv_cache = "bf16"
-  return c
+  return common.to_bf16(llama8b_fp8.get_config(arg), "runs/llama8b_bf16")

@@ -42,7 +42,7 @@ def get_config(arg=None):
       lr=5e-7, schedule="warmup_constant", warmup_steps=13, min_lr_ratio=0.1, weight_decay=0.01, b1=0.9, b2=0.999,
       eps=1e-8, grad_clip=1.0))
   c.warmstart.steps = 0
-  c.train = ml_collections.ConfigDict(dict(steps=500, val_every=10, val_prompts=256, log_every=1))
+  c.train = ml_collections.ConfigDict(dict(steps=500, val_every=10, val_prompts=256))
   c.checkpoint = ml_collections.ConfigDict(dict(every=10, keep=3, hf_dir="", resume=True))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
   return c

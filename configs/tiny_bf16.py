@@ -3,12 +3,8 @@
 Run: .venv/bin/python scripts/train.py --config=configs/tiny_bf16.py
 """
 
-from configs import tiny_fp8
+from configs import common, tiny_fp8
 
 
 def get_config(arg=None):
-  c = tiny_fp8.get_config(arg)
-  c.workdir = "runs/tiny_bf16"
-  c.fp8.mode = "bf16"
-  c.fp8.kv_cache = "bf16"
-  return c
+  return common.to_bf16(tiny_fp8.get_config(arg), "runs/tiny_bf16")

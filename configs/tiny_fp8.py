@@ -2,9 +2,10 @@
 
 Run:      bash scripts/setup.sh && .venv/bin/python scripts/train.py --config=configs/tiny_fp8.py
 Hardware: any CPU (2 cores are enough); the FP8 GEMMs run on the exact XLA reference there.
-Runtime:  about 5 minutes on 2 CPU cores (see README for the measured figures).
-Result:   a short supervised warm-start teaches the answer format (validation accuracy ~30-50%), then GRPO raises
-          greedy validation accuracy to > 80% (README states the measured numbers).
+Task:     two-digit addition, answer written least-significant digit first ("37+48=" -> "58"), character tokens.
+Runtime:  about 5 minutes on 2 CPU cores: 400 warm-start steps (~1 min), 300 GRPO steps (~0.7 s each).
+Result:   greedy validation accuracy on 256 held-out problems 0.363 after the warm-start -> 0.801 after GRPO
+          (measured 2026-11-30 on this project's 2-core CPU machine; README "Tiny default: measured").
 """
 
 import ml_collections
@@ -17,9 +18,9 @@ def get_config(arg=None):
   c.task = "arithmetic"  # "arithmetic" (embedded, no download) | "math" (jsonl/parquet prompts, math-verify reward)
   c.workdir = "runs/tiny_fp8"
 
-  # Model: ~1.3M parameters, every linear dim a multiple of 128 (one FP8 block).
+  # Model: ~1.2M parameters, every linear dim a multiple of 128 (FP8 blocks need no padding).
   c.model = ml_collections.ConfigDict(dict(
-      vocab_size=128, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=64, ffn_dim=256,
+      vocab_size=128, dim=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=128, ffn_dim=512,
       norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_embeddings=False, qk_norm=False, max_seq_len=64,
       dtype="bfloat16", remat=False))
 
@@ -28,7 +29,8 @@ def get_config(arg=None):
       mode="fp8", keep_first_n=0, keep_last_n=0, keep_patterns=(), pow2_scales=False, kv_cache="fp8",
       gemm_backend="auto", quantize_lm_head=False))
 
-  c.arithmetic = ml_collections.ConfigDict(dict(difficulty=1, num_val=256))
+  # Level 5 of fp8jax.rl.tasks.DIFFICULTY: a+b with a, b <= 99, answer reversed (learnable by a tiny model).
+  c.arithmetic = ml_collections.ConfigDict(dict(difficulty=5, num_val=256))
 
   c.data = ml_collections.ConfigDict(dict(  # used when task == "math"
       path="", prompt_field="problem", answer_field="expected_answer", template="{prompt}", val_size=256,
@@ -44,7 +46,7 @@ def get_config(arg=None):
       prompt_buckets=(16,)))
 
   c.grpo = ml_collections.ConfigDict(dict(
-      num_prompts=16, num_generations=8,  # G completions per prompt
+      num_prompts=32, num_generations=8,  # G completions per prompt
       normalize_std=True, leave_one_out=True,
       eps_low=0.2, eps_high=0.2, dual_clip=0.0,  # 0 = off
       agg="token_mean",  # "token_mean" | "seq_mean"
@@ -57,12 +59,12 @@ def get_config(arg=None):
       microbatch=64))  # sequences per gradient-accumulation microbatch
 
   c.optim = ml_collections.ConfigDict(dict(
-      lr=1e-3, schedule="constant", warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, b1=0.9, b2=0.99, eps=1e-8,
+      lr=1.5e-4, schedule="constant",  # 1e-3 collapsed the policy, 3e-4 dipped first; 1e-4 learned slower warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, b1=0.9, b2=0.99, eps=1e-8,
       grad_clip=1.0))
 
-  c.warmstart = ml_collections.ConfigDict(dict(steps=40, batch=64, lr=3e-3))  # supervised warm-start (tiny task)
+  c.warmstart = ml_collections.ConfigDict(dict(steps=400, batch=64, lr=1e-3))  # supervised warm-start (tiny task)
 
-  c.train = ml_collections.ConfigDict(dict(steps=40, val_every=10, val_prompts=256, log_every=1))
-  c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep=2, hf_dir="", resume=True))
+  c.train = ml_collections.ConfigDict(dict(steps=300, val_every=50, val_prompts=256))
+  c.checkpoint = ml_collections.ConfigDict(dict(every=100, keep=2, hf_dir="", resume=True))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))  # -1: all remaining devices
   return c

@@ -217,13 +217,9 @@ class Recipe:
 
   @classmethod
   def from_config(cls, c: Any) -> "Recipe":
-    d = dict(c)
-    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-    if unknown:
-      raise ValueError(f"unknown fp8 config keys: {sorted(unknown)}")
-    if "keep_patterns" in d:
-      d["keep_patterns"] = tuple(d["keep_patterns"])
-    return cls(**d)
+    from fp8jax.config_utils import dataclass_from_group  # noqa: PLC0415
+
+    return dataclass_from_group(cls, c, "fp8")
 
   def selects(self, path: str, layer: int | None, num_layers: int) -> bool:
     """Whether the linear weight at ``path`` (in decoder layer ``layer``, or None) is quantized to FP8."""

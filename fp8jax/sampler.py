@@ -238,14 +238,23 @@ class Sampler:
             f"lower rollout.slots or rollout.max_len, or use rollout.kv_cache='fp8'")
     return need
 
-  def calibrate_kv_scales(self, params, prompts: list[list[int]], margin: float):
-    """Per-layer FP8 KV scales from a BF16-cache prefill of ``prompts`` (before any training step)."""
-    toks, _ = self._pad_prompts(prompts)
+  @functools.partial(fp8jax.jit, static_argnums=(0,))
+  def _calibration_amax(self, params, tokens_PxT):
     c = self.cfg
-    pos = jnp.broadcast_to(jnp.arange(toks.shape[1], dtype=jnp.int32), toks.shape)
-    cache = kvc.init_cache(c.n_layers, toks.shape[0], toks.shape[1], c.n_kv_heads, c.head_dim, fp8=False)
-    _, _, aux = fp8jax.jit(lambda p, t: llama.forward(p, t, c, self.lcfg, positions_BxT=pos, cache=cache))(params, toks)
-    return kvc.scales_from_amax(aux.k_amax_L, margin), kvc.scales_from_amax(aux.v_amax_L, margin)
+    pos = jnp.broadcast_to(jnp.arange(tokens_PxT.shape[1], dtype=jnp.int32), tokens_PxT.shape)
+    cache = kvc.init_cache(c.n_layers, tokens_PxT.shape[0], tokens_PxT.shape[1], c.n_kv_heads, c.head_dim, fp8=False)
+    _, _, aux = llama.forward(params, tokens_PxT, c, self.lcfg, positions_BxT=pos, cache=cache)
+    return aux.k_amax_L, aux.v_amax_L
+
+  def calibrate_kv_scales(self, params, prompts: list[list[int]], margin: float):
+    """Per-layer FP8 KV scales from a BF16-cache prefill of ``prompts`` (before any training step).
+
+    The amax includes the padding positions of the bucket (their K/V are real model outputs too), which can only
+    make the scales more conservative.
+    """
+    toks, _ = self._pad_prompts(prompts)
+    k_amax, v_amax = self._calibration_amax(params, toks)
+    return kvc.scales_from_amax(k_amax, margin), kvc.scales_from_amax(v_amax, margin)
 
   def _pad_prompts(self, prompts):
     lens = np.array([len(p) for p in prompts], np.int32)

@@ -319,7 +319,8 @@ def run_tunix(a, cfg: ModelConfig, master, prompts) -> dict:
     version = _dist_version("google-tunix")
     # tunix's activation sharding (model.shard) reads the legacy `with mesh:` context; its loaders use an
     # ('fsdp', 'tp') mesh. On one device both axes have size 1.
-    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"))
+    # tunix shards with with_sharding_constraint, which needs Auto (not Explicit, the jax 0.11 default) mesh axes.
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     with warnings.catch_warnings():  # tunix/flax deprecations (the legacy mesh context among them)
       warnings.simplefilter("ignore", DeprecationWarning)
       with mesh:

@@ -29,7 +29,7 @@ def main(argv):
   config = _CONFIG.value
   with config.unlocked():
     config.checkpoint.resume = bool(_RESUME.value) and config.checkpoint.resume
-  logging.set_verbosity(logging.INFO)
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   trainer = RLTrainer(config, _WORKDIR.value)
   history = trainer.run(_STEPS.value)
   first = next((h for h in history if "val_accuracy" in h), {})

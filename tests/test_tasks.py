@@ -70,15 +70,25 @@ class TestArithmeticTask:
     for level in tasks.DIFFICULTY:
       task = tasks.ArithmeticTask(seed=0, difficulty=level)
       prompts, answers = task.sample(64)
+      rev = task.spec.reverse_answer
       for p, a in zip(prompts, answers):
         assert p.endswith("=")
-        assert eval(p[:-1]) == int(a)  # noqa: S307
-        assert int(a) >= 0
+        value = int(a[::-1]) if rev else int(a)
+        assert eval(p[:-1]) == value  # noqa: S307
+        assert value >= 0
         assert task.reward(a, a) == 1.0
-        assert task.reward(str(int(a) + 1), a) == 0.0
+        wrong = str(value + 1)[::-1] if rev else str(value + 1)
+        assert task.reward(wrong, a) == 0.0
         ids = task.tokenizer.encode(p, add_bos=True)
         assert len(ids) <= task.max_prompt_len
         assert len(task.tokenizer.encode(a, add_eos=True)) <= task.max_answer_len
+
+  def test_reversed_answers_compare_digit_strings(self):
+    task = tasks.ArithmeticTask(seed=0, difficulty=5)
+    assert task.spec.reverse_answer
+    # 37 + 48 = 85 is written "58"; 40 + 30 = 70 is "07", and "7" (which is 7, not 70) must not count
+    assert task.reward("58", "58") == 1.0 and task.reward("85", "58") == 0.0
+    assert task.reward("07", "07") == 1.0 and task.reward("7", "07") == 0.0
 
   def test_answers_are_short(self):
     task = tasks.ArithmeticTask(seed=0, difficulty=1)

@@ -140,4 +140,21 @@ def test_tiny_default_learns(tmp_path):
   c.checkpoint.every = 10**6
   hist = trainer_lib.RLTrainer(c, str(tmp_path)).run(progress=False)
   accs = [h["val_accuracy"] for h in hist if "val_accuracy" in h]
-  assert accs[-1] >= accs[0] + 0.2, accs
+  assert accs[-1] >= accs[0] + 0.25, accs  # measured: 0.363 -> 0.801 (README)
+
+
+def test_llama8b_recipe_says_what_to_download(tmp_path):
+  from configs import llama8b_bf16, llama8b_fp8
+
+  c = llama8b_fp8.get_config()
+  assert llama8b_bf16.get_config().fp8.mode == "bf16" and c.grpo.num_prompts * c.grpo.num_generations == 64 * 32
+  with pytest.raises(FileNotFoundError, match="data.path"):
+    trainer_lib.RLTrainer(c, str(tmp_path))
+  data = tmp_path / "prompts.jsonl"
+  data.write_text('{"problem": "1+1?", "expected_answer": "2"}\n')
+  c.data.path = str(data)
+  with pytest.raises(FileNotFoundError, match="checkpoint.hf_dir"):
+    trainer_lib.RLTrainer(c, str(tmp_path))
+  c.checkpoint.hf_dir = str(tmp_path / "missing")
+  with pytest.raises(FileNotFoundError, match="download the HF model"):
+    trainer_lib.RLTrainer(c, str(tmp_path))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from fp8jax.config_utils import dataclass_from_group
 from fp8jax.quant import BLOCK
 
 
@@ -55,13 +56,7 @@ class ModelConfig:
 
   @classmethod
   def from_config(cls, c: Any) -> "ModelConfig":
-    d = dict(c)
-    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-    if unknown:
-      raise ValueError(f"unknown model config keys: {sorted(unknown)}")
-    if d.get("rope_scaling") is not None:
-      d["rope_scaling"] = tuple(d["rope_scaling"])
-    return cls(**d)
+    return dataclass_from_group(cls, c, "model")
 
 
 def num_params(cfg: ModelConfig) -> int:

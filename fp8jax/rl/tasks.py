@@ -90,13 +90,17 @@ class ArithmeticSpec:
   """What problems look like: ``k`` operands (``min_operands <= k <= max_operands``), each uniform in
   ``[0, max_operand]``, joined by operators drawn uniformly from ``ops`` (a subset of ``"+-*"``), evaluated with the
   usual precedence (``*`` before ``+``/``-``). With ``allow_negative=False`` problems whose result is negative are
-  redrawn, so answers are plain digit strings."""
+  redrawn, so answers are plain digit strings. With ``reverse_answer=True`` the answer is written least-significant
+  digit first ("37+48=" -> "58"): each output digit then depends only on aligned input digits and the carry just
+  written, which small transformers learn far faster (Lee et al. 2023, "Teaching Arithmetic to Small
+  Transformers", sec. 4); the reward then compares the digit strings exactly."""
 
   min_operands: int = 2
   max_operands: int = 2
   max_operand: int = 99
   ops: str = "+"
   allow_negative: bool = False
+  reverse_answer: bool = False
 
   def __post_init__(self):
     if not 2 <= self.min_operands <= self.max_operands:
@@ -127,6 +131,7 @@ DIFFICULTY: dict[int, ArithmeticSpec] = {
     2: ArithmeticSpec(2, 3, 99, "+"),        # two or three addends
     3: ArithmeticSpec(2, 3, 99, "+-"),       # with subtraction (non-negative results)
     4: ArithmeticSpec(2, 3, 20, "+-*"),      # with multiplication and precedence
+    5: ArithmeticSpec(2, 2, 99, "+", reverse_answer=True),  # level 1, answer least-significant digit first
 }
 
 
@@ -209,7 +214,7 @@ class ArithmeticTask:
       if value < 0 and not s.allow_negative:
         continue
       prompt = "".join(f"{x}{op}" for x, op in zip(operands, ops + ["="]))
-      return prompt, str(value)
+      return prompt, str(value)[::-1] if s.reverse_answer else str(value)
 
   def _draw_validation(self, n: int) -> tuple[list[str], list[str]]:
     rng = self._rng(_STREAM_VAL, 0)
@@ -306,7 +311,9 @@ class ArithmeticTask:
     self._next_step[_STREAM_TRAIN] = int(state["train_step"])
     self._next_step[_STREAM_SUPERVISED] = int(state["supervised_step"])
 
-  @staticmethod
-  def reward(completion_text: str, answer: str) -> float:
-    """1.0 iff the completion (decoded up to EOS) is exactly the integer answer (``rewards.arithmetic_reward``)."""
+  def reward(self, completion_text: str, answer: str) -> float:
+    """1.0 iff the completion (decoded up to EOS) is exactly the answer: the integer (``rewards.arithmetic_reward``),
+    or, for reversed answers, the digit string itself (leading zeros of a reversed number are significant)."""
+    if self.spec.reverse_answer:
+      return 1.0 if completion_text.strip() == answer else 0.0
     return rewards.arithmetic_reward(completion_text, answer)

@@ -30,6 +30,7 @@ import optax
 import fp8jax
 from fp8jax import kvcache, ops, quant, sampler as sampler_lib, sharding
 from fp8jax.checkpoint import Checkpointer
+from fp8jax.config_utils import dataclass_from_group
 from fp8jax.metrics import MetricsWriter, plot
 from fp8jax.model import llama
 from fp8jax.model.config import ModelConfig
@@ -87,15 +88,6 @@ class OptimConfig:
   b2: float = 0.99
   eps: float = 1e-8
   grad_clip: float = 1.0
-
-
-def from_config(cls, c):
-  """A frozen dataclass from a ConfigDict group; unknown keys fail naming the group."""
-  d = dict(c)
-  unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-  if unknown:
-    raise ValueError(f"unknown {cls.__name__} config keys: {sorted(unknown)}")
-  return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 def make_optimizer(oc: OptimConfig, total_steps: int):
@@ -216,8 +208,8 @@ class RLTrainer:
     else:
       self.cfg = ModelConfig.from_config(config.model)
     self.recipe = quant.Recipe.from_config(config.fp8)
-    self.gc = from_config(GRPOConfig, config.grpo)
-    self.oc = from_config(OptimConfig, config.optim)
+    self.gc = dataclass_from_group(GRPOConfig, config.grpo, "grpo")
+    self.oc = dataclass_from_group(OptimConfig, config.optim, "optim")
     self.lcfg = ops.LinearConfig.from_recipe(self.recipe)
     r = config.rollout
     self.scfg = sampler_lib.SamplerConfig(slots=r.slots, max_len=r.max_len, prompt_buckets=tuple(r.prompt_buckets),
@@ -289,6 +281,7 @@ class RLTrainer:
       state, m = self._sft_step(state, sharding.shard_batch(batch, self.mesh))
     self.state = TrainState(state.params, self.tx.init(state.params), self.state.step)
     self.warm_done = True
+    self.kv_scales = None  # recalibrate FP8 KV scales for the warm-started weights
     return {"warmstart_nll": float(m["nll"]), "warmstart_s": time.perf_counter() - t0}
 
   def validate(self) -> dict:
@@ -304,9 +297,14 @@ class RLTrainer:
       return None
     if self.kv_scales is None:  # before the first training step: calibrate on prompts with a BF16 cache prefill
       prompts, _ = self.task.train_prompts(self.gc.num_prompts, step=0)
-      self.kv_scales = self.sampler.calibrate_kv_scales(self._prepare(self.state.params), prompts,
-                                                        float(self.c.rollout.kv_scale_margin))
+      self._set_kv_scales(self.sampler.calibrate_kv_scales(self._prepare(self.state.params), prompts,
+                                                           float(self.c.rollout.kv_scale_margin)))
     return self.kv_scales
+
+  def _set_kv_scales(self, scales):
+    # Replicated on the mesh whatever produced them, so the jitted steps see one sharding (no recompiles).
+    rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    self.kv_scales = tuple(jax.device_put(jnp.asarray(s, jnp.float32), rep) for s in scales)
 
   def _rollout(self, step: int, timing: dict):
     """Generates groups; with dynamic sampling, drops zero-variance groups and refills (bounded)."""
@@ -338,36 +336,37 @@ class RLTrainer:
     return keep_ro, keep_rw, stats
 
   def _build_batch(self, parts, rewards_list):
-    """Concatenates kept groups (first num_prompts), pads with masked-out groups if dynamic sampling fell short."""
+    """The train batch: the first num_prompts kept groups; masked-out groups pad it if dynamic sampling fell short.
+
+    Reward metrics cover every generated group (also those dynamic sampling dropped), the rest the kept ones.
+    """
     gc, g = self.gc, self.gc.num_generations
-    seqs, masks, olds, advs, rws, lens, fin = [], [], [], [], [], [], []
+    groups = []  # (tokens, mask, old_logp, adv, lengths, finish) per kept group
     for (ro, keep), rewards in zip(parts, rewards_list):
       s, m, o = ro.sequences(pad_id=self.task.pad_id)
       adv, _ = grpo.group_advantages(jnp.asarray(rewards), normalize_std=gc.normalize_std,
                                      leave_one_out=gc.leave_one_out)
+      adv = np.asarray(adv, np.float32)
       for pi in np.flatnonzero(keep):
-        rows = slice(pi * g, (pi + 1) * g)
-        seqs.append(s[rows]), masks.append(m[rows]), olds.append(o[rows])
-        advs.append(np.asarray(adv[pi])), rws.append(rewards[pi]), lens.append(ro.lengths[rows])
-        fin.append(ro.finish_reason[rows])
-    n_real = min(len(seqs), gc.num_prompts)
-    seqs, masks, olds, advs = seqs[:gc.num_prompts], masks[:gc.num_prompts], olds[:gc.num_prompts], advs[:gc.num_prompts]
-    while len(seqs) < gc.num_prompts:  # pad: zero mask -> no gradient, no metrics
-      seqs.append(np.zeros_like(seqs[-1] if seqs else parts[0][0].sequences()[0][:g]))
-      masks.append(np.zeros_like(seqs[-1][:, 1:], np.float32))
-      olds.append(np.zeros_like(masks[-1]))
-      advs.append(np.zeros(g, np.float32))
-    batch = {"tokens": np.concatenate(seqs), "mask": np.concatenate(masks), "old_logp": np.concatenate(olds),
-             "adv": np.concatenate(advs).astype(np.float32)}
+        r = slice(pi * g, (pi + 1) * g)
+        groups.append((s[r], m[r], o[r], adv[pi], ro.lengths[r], ro.finish_reason[r]))
+    groups = groups[:gc.num_prompts]
+    n_real = len(groups)
+    if n_real < gc.num_prompts:  # zero mask: no gradient, no metrics
+      s0, m0 = parts[0][0].sequences(pad_id=self.task.pad_id)[:2]
+      pad = (np.zeros_like(s0[:g]), np.zeros_like(m0[:g]), np.zeros_like(m0[:g]), np.zeros(g, np.float32),
+             np.zeros(g, np.int32), np.zeros(g, np.int32))
+      groups += [pad] * (gc.num_prompts - n_real)
+    tokens, mask, old, adv, lens, fin = (np.concatenate(x) for x in zip(*groups))
     if gc.overlong_filter:
-      fin_all = np.concatenate(fin[:n_real] + [np.zeros(g, np.int32)] * (gc.num_prompts - n_real))
-      batch["mask"] = batch["mask"] * np.asarray(grpo.overlong_mask(fin_all == sampler_lib.FINISH_LENGTH))[:, None]
-    flat_rw = np.concatenate(rws[:n_real]) if n_real else np.zeros(1)
-    info = {"reward_mean": float(flat_rw.mean()), "reward_std": float(flat_rw.std()),
-            "gen_len_mean": float(np.mean(np.concatenate(lens[:n_real]))) if n_real else 0.0,
-            "gen_len_max": float(np.max(np.concatenate(lens[:n_real]))) if n_real else 0.0,
-            "groups_kept": float(n_real), "truncated_frac": float(np.mean(np.concatenate(fin[:n_real]))) if n_real else 0.0}
-    return batch, info
+      mask = mask * np.asarray(grpo.overlong_mask(fin == sampler_lib.FINISH_LENGTH))[:, None]
+    rw = np.concatenate([np.ravel(r) for r in rewards_list])
+    real = slice(0, n_real * g)
+    info = {"reward_mean": float(rw.mean()), "reward_std": float(rw.std()), "groups_kept": float(n_real)}
+    if n_real:
+      info.update(gen_len_mean=float(lens[real].mean()), gen_len_max=float(lens[real].max()),
+                  truncated_frac=float(np.mean(fin[real] == sampler_lib.FINISH_LENGTH)))
+    return {"tokens": tokens, "mask": mask, "old_logp": old, "adv": adv}, info
 
   def step(self, step: int) -> dict:
     """One RL step; returns host metrics."""
@@ -419,8 +418,9 @@ class RLTrainer:
     timing["train_s"] = time.perf_counter() - t
     t = time.perf_counter()
     if self.recipe.kv_cache == "fp8":  # next rollout's KV scales from this step's training-forward amax
-      self.kv_scales = (kvcache.scales_from_amax(tm["k_amax_L"], float(self.c.rollout.kv_scale_margin)),
-                        kvcache.scales_from_amax(tm["v_amax_L"], float(self.c.rollout.kv_scale_margin)))
+      margin = float(self.c.rollout.kv_scale_margin)
+      self._set_kv_scales((kvcache.scales_from_amax(tm["k_amax_L"], margin),
+                           kvcache.scales_from_amax(tm["v_amax_L"], margin)))
     timing["kv_recalib_s"] = time.perf_counter() - t
     metrics.update({k: v for k, v in tm.items() if not k.endswith("_L")})
     metrics["lr"] = lr
@@ -448,15 +448,17 @@ class RLTrainer:
       return 0
     self.state, meta = self.ckpt.restore(last, self.state)
     self.warm_done = meta["warm_done"]
-    self.kv_scales = None if meta["kv_scales"] is None else tuple(jnp.asarray(s, jnp.float32) for s in meta["kv_scales"])
+    self.kv_scales = None
+    if meta["kv_scales"] is not None:
+      self._set_kv_scales(meta["kv_scales"])
     self.task.load_state(meta)
-    log.info("resumed from %s step %d", self.ckpt.directory, last)
+    log.warning("resumed from %s at step %d", self.ckpt.directory, last)
     return last
 
   def run(self, steps: int | None = None, *, progress: bool = True) -> list[dict]:
     steps = self.total_steps if steps is None else steps
     start = self.restore() if self.c.checkpoint.resume else 0
-    writer = MetricsWriter(self.workdir, steps - start, progress=progress)
+    writer = MetricsWriter(self.workdir, steps - start + (start == 0), progress=progress)  # + warm-start row
     history = []
     try:
       if start == 0:
