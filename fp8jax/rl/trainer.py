@@ -177,7 +177,7 @@ def train_step(state: TrainState, batch: dict, *, loss_fn, tx, cfg, lcfg, recipe
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {k: jnp.mean(v) for k, v in ms.items()}
-  metrics.update(loss=loss, grad_norm=optax.global_norm(grads), k_amax_L=jnp.max(k_amax, 0), v_amax_L=jnp.max(v_amax, 0))
+  metrics.update(loss=loss, grad_norm=optax.tree.norm(grads), k_amax_L=jnp.max(k_amax, 0), v_amax_L=jnp.max(v_amax, 0))
   return TrainState(params, opt_state, state.step + 1), metrics
 
 
@@ -193,7 +193,7 @@ class NonFiniteLoss(RuntimeError):
 class RLTrainer:
   """Owns the state, the sampler, the task and the writers of one run (built from a ConfigDict)."""
 
-  def __init__(self, config, workdir: str | None = None, *, devices=None, progress: bool = True):
+  def __init__(self, config, workdir: str | None = None, *, devices=None):
     self.c = config
     self.workdir = workdir or config.workdir
     hf_dir = config.checkpoint.hf_dir
