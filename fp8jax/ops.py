@@ -52,7 +52,8 @@ class LinearConfig:
 _REPORT: dict[str, str] = {}
 
 
-def _hopper_available() -> bool:
+def hopper_available() -> bool:
+  """Whether the first JAX device is an sm_90 (Hopper) GPU, where the Pallas FP8 kernels run."""
   try:
     dev = jax.devices()[0]
   except RuntimeError:
@@ -73,7 +74,7 @@ def resolve_backend(requested: str) -> str:
   chosen, why = "xla", "requested"
   if requested != "xla":
     why = "no sm_90 GPU"
-    if _hopper_available():
+    if hopper_available():
       try:
         _pallas_gemm()
         chosen, why = "pallas", "sm_90 GPU"

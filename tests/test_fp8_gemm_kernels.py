@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fp8jax import ops
+
 from pallas_kernels import fp8_gemm_mgpu as mgpu
 from pallas_kernels import fp8_gemm_triton as tgemm
 from pallas_kernels.fp8_gemm import fp8_gemm_reference
@@ -50,15 +52,7 @@ def _rel_err(out, ref) -> float:
   return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
 
 
-def _on_hopper() -> bool:
-  try:
-    d = jax.devices()[0]
-  except RuntimeError:
-    return False
-  return d.platform == "gpu" and getattr(d, "compute_capability", "") == "9.0"
-
-
-requires_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 (Hopper) GPU")
+requires_hopper = pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
 
 
 # ------------------------------------------------------------------------------------------------------------------
