@@ -28,7 +28,6 @@ import traceback
 import fp8jax  # noqa: F401  (sets XLA flags first)
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fp8jax import quant
 from pallas_kernels import fp8_gemm_mgpu as mgpu
@@ -172,7 +171,7 @@ def bench_case(m, name, k, n, r, sweep, row_scales=False, out_dtype=jnp.bfloat16
   # cuBLAS through torch (operands shared with JAX through DLPack).
   tq = [tuple(to_torch(t) for t in s) for s in q]
   try:
-    calls, errs = [], None
+    calls = []
     kb4 = -(-(k // 128) // 4) * 4
     for a_q, a_s, b_q, b_s in tq:
       sa = a_s.t().contiguous().t()  # (M, Kb), stride (1, M): outer-dim-major, as cuBLAS wants

@@ -309,7 +309,7 @@ class RLTrainer:
   def _rollout(self, step: int, timing: dict):
     """Generates groups; with dynamic sampling, drops zero-variance groups and refills (bounded)."""
     gc = self.gc
-    keep_ro, keep_rw, keep_ans = [], [], []
+    keep_ro, keep_rw = [], []
     t = time.perf_counter()
     sparams = self._prepare(self.state.params)
     jax.block_until_ready(sparams)
