@@ -140,7 +140,7 @@ def test_tiny_default_learns(tmp_path):
   c.checkpoint.every = 10**6
   hist = trainer_lib.RLTrainer(c, str(tmp_path)).run(progress=False)
   accs = [h["val_accuracy"] for h in hist if "val_accuracy" in h]
-  assert accs[-1] >= accs[0] + 0.25, accs  # measured: 0.363 -> 0.801 (README)
+  assert accs[-1] >= accs[0] + 0.25, accs  # measured: 0.465 -> 0.875 (README)
 
 
 def test_llama8b_recipe_says_what_to_download(tmp_path):
