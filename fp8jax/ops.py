@@ -106,13 +106,9 @@ def fp8_gemm(a_q, a_s, b_q, b_s, out_dtype, backend: str = "auto") -> jax.Array:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _pad_w_k(q_NxK: jax.Array) -> jax.Array:
-  return quant.pad_k(q_NxK, -1)
-
-
 def _forward_q(x_MxK, qw: quant.QWeight, cfg: LinearConfig):
   xq, xs = quant.quantize_act(quant.pad_k(x_MxK), cfg.pow2_scales)
-  return fp8_gemm(xq, xs, _pad_w_k(qw.q), qw.scale, jnp.dtype(cfg.out_dtype), cfg.backend)
+  return fp8_gemm(xq, xs, quant.pad_k(qw.q, -1), qw.scale, jnp.dtype(cfg.out_dtype), cfg.backend)
 
 
 def _dgrad(dy_MxN, qw: quant.QWeight, k: int, dtype, cfg: LinearConfig):

@@ -270,8 +270,11 @@ class FP8Weight:
 
 
 def mark_fp8(params: dict, recipe: Recipe) -> dict:
-  """Master params -> tree where each selected linear weight is wrapped in ``FP8Weight`` (differentiable)."""
-  return _walk_linear(params, recipe, FP8Weight)
+  """Master params -> tree where each selected linear weight is wrapped in ``FP8Weight`` (differentiable).
+
+  Weights that are already ``QWeight`` (from ``quantize_params``) stay as they are.
+  """
+  return _walk_linear(params, recipe, lambda w: w if isinstance(w, QWeight) else FP8Weight(w))
 
 
 def is_fp8_leaf(x) -> bool:

@@ -326,6 +326,5 @@ class Sampler:
 
 def trainer_logprobs(params, tokens_BxL, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.LinearConfig(),
                      temperature: float = 1.0, kv_scales=None):
-  """The trainer's log-probs of each next token (B, L-1), for mismatch metrics and recompute."""
-  hidden, _, _ = llama.forward(params, tokens_BxL, cfg, lcfg, kv_scales=kv_scales)
-  return llama.token_logprobs(llama.logits(params, hidden[:, :-1], cfg, lcfg), tokens_BxL[:, 1:], temperature)
+  """The trainer's log-probs of each next token (B, L-1) (``llama.next_token_logprobs``, what the trainer runs)."""
+  return llama.next_token_logprobs(params, tokens_BxL, cfg, lcfg, temperature=temperature, kv_scales=kv_scales)[0]

@@ -154,6 +154,15 @@ def test_quantize_params_recipe_selection():
                  for w in jax.tree.leaves(quant.quantize_params(p, quant.Recipe(mode="bf16")), is_leaf=quant.is_fp8_leaf))
 
 
+def test_mark_fp8_wraps_master_weights_and_keeps_quantized_ones():
+  p, r = _params(), quant.Recipe(keep_last_n=1)
+  marked = quant.mark_fp8(p, r)
+  assert isinstance(marked["layers"][0]["wq"], quant.FP8Weight) and marked["layers"][0]["wq"].w is p["layers"][0]["wq"]
+  assert not isinstance(marked["layers"][3]["wq"], quant.FP8Weight)
+  qp = quant.quantize_params(p, r)
+  assert quant.mark_fp8(qp, r)["layers"][0]["wq"] is qp["layers"][0]["wq"]
+
+
 def test_recipe_rejects_bad_values():
   with pytest.raises(ValueError, match="fp8.mode"):
     quant.Recipe(mode="fp4")

@@ -120,15 +120,12 @@ class TrainState:
 
 
 def sequence_logprobs(params, tokens_BxL, cfg: ModelConfig, lcfg, recipe: quant.Recipe, kv_scales, temperature):
-  """Trainer log-probs (B, L-1) of each next token, FP8 per the recipe, + per-layer K/V amax and entropy."""
-  p = quant.mark_fp8(params, recipe) if not _is_quantized(params) else params
-  hidden, _, aux = llama.forward(p, tokens_BxL, cfg, lcfg, kv_scales=kv_scales)
-  lg = llama.logits(p, hidden[:, :-1], cfg, lcfg)
-  return llama.token_logprobs(lg, tokens_BxL[:, 1:], temperature), llama.token_entropy(lg, temperature), aux
+  """Trainer log-probs (B, L-1) of each next token, FP8 per the recipe, + entropy and per-layer K/V amax.
 
-
-def _is_quantized(params) -> bool:
-  return any(isinstance(x, quant.QWeight) for x in jax.tree.leaves(params, is_leaf=quant.is_fp8_leaf))
+  ``params`` are master weights, or already-quantized ones (the frozen reference policy): mark_fp8 keeps QWeights.
+  """
+  return llama.next_token_logprobs(quant.mark_fp8(params, recipe), tokens_BxL, cfg, lcfg, temperature=temperature,
+                                   kv_scales=kv_scales)
 
 
 def grpo_loss(params, mb, cfg: ModelConfig, lcfg, recipe, gc: GRPOConfig, temperature, n_tok, n_seq):
