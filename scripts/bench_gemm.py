@@ -1,6 +1,7 @@
 """Benchmark of the block-scaled FP8 GEMM (issue 3) on an sm_90 GPU.
 
-  PYTHONPATH=. python3 scripts/bench_gemm.py [--ms 8192,256,64] [--out DIR] [--sweep]
+  PYTHONPATH=. python3 scripts/bench_gemm.py [--ms 8192,256,64] [--shapes qkv,o,...] [--out DIR] [--no-wgrad]
+  PYTHONPATH=. python3 scripts/bench_gemm.py --variants [--ms ...] [--shapes ...]   # schedule variants, bitwise-checked
 
 For M in --ms and the Llama-3.1-8B linear shapes (K x N): TFLOP/s (2*M*N*K / median kernel time) of
   ours     pallas_kernels.fp8_gemm_mgpu.fp8_gemm (1x128 x 128x128 scales, BF16 out; wrapper ops included)
@@ -124,7 +125,7 @@ def make_sets(m, n, k, r, row_scales=False):
   return jax.block_until_ready(sets)
 
 
-def bench_case(m, name, k, n, r, sweep, row_scales=False, out_dtype=jnp.bfloat16):
+def bench_case(m, name, k, n, r, row_scales=False, out_dtype=jnp.bfloat16):
   import torch  # noqa: PLC0415
   import torch.nn.functional as F  # noqa: PLC0415
   flops = 2.0 * m * n * k
@@ -142,16 +143,6 @@ def bench_case(m, name, k, n, r, sweep, row_scales=False, out_dtype=jnp.bfloat16
     row.update(ours=tf(ms), ours_ms=ms, ours_err=rel_err(out, ref))
   except Exception:  # noqa: BLE001
     log("  ours failed:", traceback.format_exc()[-1500:])
-  if sweep:
-    for c in sweep_configs(m):
-      if n % c.cta_n:
-        continue
-      try:
-        ms, out = jax_time_ms(lambda *a, c=c: mgpu.fp8_gemm(*a, out_dtype=out_dtype, config=c), q, iters=3)
-        log(f"  sweep {name} M={m} {c}: {tf(ms):.0f} TFLOP/s err={rel_err(out, ref):.2e}")
-        row.setdefault("sweep", []).append((str(c), tf(ms)))
-      except Exception as e:  # noqa: BLE001
-        log(f"  sweep {c} failed: {repr(e)[:300]}")
   try:
     ms, out = jax_time_ms(lambda *a: tgemm.fp8_gemm(*a, out_dtype=out_dtype), q)
     row.update(triton=tf(ms), triton_err=rel_err(out, ref))
@@ -216,11 +207,56 @@ def bench_case(m, name, k, n, r, sweep, row_scales=False, out_dtype=jnp.bfloat16
   return row
 
 
-def sweep_configs(m):
+def variant_configs(m, n, k):
+  """Schedule variants timed side by side by --variants; the first (choose_config's) is the bitwise reference."""
   T = mgpu.TuningConfig
+  first = mgpu.choose_config(m, n, k)
   if m >= 1024:
-    return [T("m", 128, 4, "n", 8), T("m", 128, 6, "n", 16), T("m", 128, 5, "m", 8), T("m", 64, 6, "n", 8)]
-  return [T("n", 16, 8), T("n", 32, 8), T("n", 64, 6), T("m", 64, 6), T("m", 32, 8)]
+    cands = [T("m", 128, 4), T("m", 128, 2, k_blocks=2, cross_tile=True), T("m", 128, 4, num_wgs=3),
+             T("m", 128, 4, cross_tile=True, num_wgs=3)]
+  else:
+    cands = [T(s, w, st, k_blocks=2, cross_tile=True) for s, w, st in
+             (("m", 128, 2), ("n", 64, 4), ("n", 32, 4), ("n", 16, 4))] + [mgpu.TuningConfig("n", 16, 8)]
+  return [first] + [c for c in cands if c != first]
+
+
+def variants(ms, shapes, out_dir) -> int:
+  """Times schedule variants of the Mosaic kernel per shape; checks each bitwise against the first variant."""
+  lines = ["| M | shape | config | TFLOP/s | vs first | bitwise = first | err |", "|---|---|---|---|---|---|---|"]
+  bad = 0
+  for m in ms:
+    for name in shapes:
+      k, n = SHAPES[name]
+      sets = make_sets(m, n, k, 3 if m >= 1024 else 6)
+      q = [(s["a_q"], s["a_s"], s["b_q"], s["b_s"]) for s in sets]
+      ref = fp8_gemm_reference(*q[0], out_dtype=jnp.float32)
+      first = base = None
+      for c in variant_configs(m, n, k):
+        if n % c.cta_n:
+          continue
+        log(f"variant M={m} {name} {c} ...")
+        try:
+          ms_, out = jax_time_ms(lambda *a, c=c: mgpu.fp8_gemm(*a, config=c), q)
+        except Exception:  # noqa: BLE001
+          log("  failed:", traceback.format_exc()[-1500:])
+          continue
+        tfl = 2.0 * m * n * k / (ms_ * 1e-3) / 1e12
+        out = jax.device_get(out)
+        if first is None:
+          first, base = out, tfl
+        same = bool((out == first).all())
+        bad += not same
+        err = rel_err(out, ref)
+        log(f"  {tfl:.0f} TFLOP/s, x{tfl / base:.3f}, bitwise={same}, err={err:.1e}")
+        short = (f"{c.split}/{c.wg_n} st{c.max_concurrent_steps} kb{c.k_blocks} wg{c.num_wgs}"
+                 f"{' cross' if c.cross_tile else ''} {c.grid_minor_dim}{c.grid_tile_width}")
+        lines.append(f"| {m} | {name} | {short} | {tfl:.0f} | {tfl / base:.3f} | {same} | {err:.1e} |")
+      del sets, q
+  table_s = "\n".join(lines)
+  with open(os.path.join(out_dir, "bench_gemm_variants.md"), "w") as f:
+    f.write(table_s + "\n")
+  print("\nSchedule variants (CUPTI kernel time, median of 5)\n" + table_s)
+  return 1 if bad else 0
 
 
 def fmt(x, f="{:.0f}"):
@@ -270,11 +306,13 @@ def main():
   p.add_argument("--ms", default="8192,256,64")
   p.add_argument("--shapes", default=",".join(SHAPES))
   p.add_argument("--out", default=os.environ.get("OUT", "."))
-  p.add_argument("--sweep", action="store_true", help="also time alternative tile configs (logged only)")
   p.add_argument("--no-wgrad", action="store_true")
+  p.add_argument("--variants", action="store_true", help="time schedule variants side by side (and check bits)")
   args = p.parse_args()
   if args.smoke:
     return smoke()
+  if args.variants:
+    return variants([int(x) for x in args.ms.split(",")], args.shapes.split(","), args.out)
   if args.skip_ours:
     mgpu.fp8_gemm = None  # bench_case logs the failure and times the others
   import torch  # noqa: PLC0415
@@ -288,12 +326,12 @@ def main():
       if name == "lm_head":
         r = 2 if m >= 1024 else 3
       t = time.time()
-      row = bench_case(m, name, k, n, r, args.sweep and name in ("o", "gate_up"))
+      row = bench_case(m, name, k, n, r)
       rows.append(row)
       log(json.dumps(row), f"({time.time() - t:.1f}s)")
   if not args.no_wgrad:
     for name, (mm, nn, kk) in {"o": (4096, 4096, 8192), "gate_up": (28672, 4096, 8192)}.items():
-      row = bench_case(mm, name + " dW", kk, nn, 2, False, row_scales=True, out_dtype=jnp.float32)
+      row = bench_case(mm, name + " dW", kk, nn, 2, row_scales=True, out_dtype=jnp.float32)
       rows.append(row)
       log(json.dumps(row))
   with open(os.path.join(args.out, "bench_gemm.json"), "w") as f:

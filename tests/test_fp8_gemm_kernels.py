@@ -64,6 +64,9 @@ MGPU_CASES = [  # (m, n, k, row_scales, config or None, out_dtype)
     (7, 256, 384, True, None, jnp.float32),
     (130, 256, 256, False, mgpu.TuningConfig(split="m", wg_n=64, max_concurrent_steps=2), jnp.float32),
     (64, 512, 256, False, mgpu.TuningConfig(split="n", wg_n=128, max_concurrent_steps=3), jnp.bfloat16),
+    (130, 256, 512, False, mgpu.TuningConfig(split="m", wg_n=64, max_concurrent_steps=2, k_blocks=2), jnp.float32),
+    (70, 256, 512, True, mgpu.TuningConfig(split="n", wg_n=32, max_concurrent_steps=2, k_blocks=2), jnp.float32),
+    (200, 256, 256, False, mgpu.TuningConfig(split="m", wg_n=64, max_concurrent_steps=2, num_wgs=3), jnp.bfloat16),
 ]
 
 
@@ -121,6 +124,10 @@ def test_tuning_config_validates():
     mgpu.TuningConfig(wg_n=96)
   with pytest.raises(ValueError, match="split"):
     mgpu.TuningConfig(split="k")
+  with pytest.raises(ValueError, match="k_blocks"):
+    mgpu.TuningConfig(k_blocks=4)
+  with pytest.raises(ValueError, match="num_wgs"):
+    mgpu.TuningConfig(split="n", num_wgs=3)
 
 
 @pytest.mark.parametrize("m", [1, 64, 256, 8192, 65536])
@@ -159,6 +166,9 @@ def test_mgpu_lowers_for_cuda_llama_shapes(m):
     mgpu.TuningConfig(split="m", wg_n=128, max_concurrent_steps=6),
     mgpu.TuningConfig(split="n", wg_n=16, max_concurrent_steps=8),
     mgpu.TuningConfig(split="n", wg_n=64, grid_minor_dim="m", grid_tile_width=4),
+    mgpu.TuningConfig(split="m", wg_n=128, max_concurrent_steps=2, k_blocks=2, cross_tile=True),
+    mgpu.TuningConfig(split="n", wg_n=32, max_concurrent_steps=4, k_blocks=2),
+    mgpu.TuningConfig(split="m", wg_n=128, max_concurrent_steps=4, cross_tile=True, num_wgs=3),
 ], ids=str)
 @pytest.mark.parametrize("row_scales,out_dtype", [(False, jnp.float32), (True, jnp.float32), (True, jnp.bfloat16)])
 def test_mgpu_lowers_for_cuda_configs(cfg, row_scales, out_dtype):
@@ -198,6 +208,21 @@ def test_gpu_mgpu_matches_reference_llama_shapes(name, m):
 
 @pytest.mark.gpu
 @requires_hopper
+@pytest.mark.parametrize("name", ["gate_up", "lm_head"])
+def test_gpu_mgpu_three_consumer_warpgroups(name):
+  """The large-M, large-N default (192-row CTAs, 3 consumer warpgroups): reference and bits of a 2-WG config."""
+  k, n = LLAMA_8B_SHAPES[name]
+  m = 2048
+  assert mgpu.choose_config(m, n, k).num_wgs == 3
+  ops = _operands(11, m, n, k)
+  out = mgpu.fp8_gemm(*ops, out_dtype=jnp.float32)
+  assert _rel_err(out, fp8_gemm_reference(*ops, out_dtype=jnp.float32)) <= 1e-3
+  two = mgpu.fp8_gemm(*ops, out_dtype=jnp.float32, config=mgpu.TuningConfig("m", 128, 2, k_blocks=2))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(two))
+
+
+@pytest.mark.gpu
+@requires_hopper
 @pytest.mark.parametrize("m,n,k", [(4096, 4096, 8192), (4096, 14336, 8192)])
 def test_gpu_mgpu_wgrad_row_scales(m, n, k):
   ops = _operands(m + n, m, n, k, row_scales=True)
@@ -206,7 +231,10 @@ def test_gpu_mgpu_wgrad_row_scales(m, n, k):
 
 
 def _invariance_configs():
-  return [None] + [mgpu.TuningConfig(split=s, wg_n=w) for s in ("m", "n") for w in (16, 32, 64, 128)]
+  T = mgpu.TuningConfig
+  return ([None] + [T(split=s, wg_n=w) for s in ("m", "n") for w in (16, 32, 64, 128)]
+          + [T("m", 128, 2, k_blocks=2), T("n", 32, 4, k_blocks=2), T("m", 128, 4, cross_tile=True),
+             T("m", 128, 2, k_blocks=2, cross_tile=True), T("m", 128, 4, cross_tile=True, num_wgs=3)])
 
 
 @pytest.mark.gpu
@@ -224,8 +252,8 @@ def test_gpu_mgpu_batch_invariance_bitwise(row_scales, out_dtype):
   perm = np.random.default_rng(0).permutation(big_m)[:300]
   moved = mgpu.fp8_gemm(a_q[perm], a_s[perm], b_q, b_s, out_dtype=out_dtype)
   np.testing.assert_array_equal(np.asarray(moved), full[perm], err_msg="rows moved within A")
-  for cfg in _invariance_configs():
-    out = mgpu.fp8_gemm(a_q[:512], a_s[:512], b_q, b_s, out_dtype=out_dtype, config=cfg)
+  for cfg in _invariance_configs():  # 16 SMs: cross_tile configs get >= 2 tiles per CTA
+    out = mgpu.fp8_gemm(a_q[:512], a_s[:512], b_q, b_s, out_dtype=out_dtype, config=cfg, num_sms=16)
     np.testing.assert_array_equal(np.asarray(out), full[:512], err_msg=f"config {cfg}")
 
 
