@@ -66,9 +66,6 @@ class TuningConfig:
   grid_minor_dim / grid_tile_width: planar-snake tile order (L2 reuse).
   k_blocks: 128-wide K blocks per pipeline step, 1 or 2. With 2, block j+1's wgmmas run while block j is promoted
     (two wgmma accumulators) and there is one barrier round trip per 256 K values. Needs K/128 even (else 1 is used).
-  lookahead: with k_blocks=2, a step's second block is promoted during the next step (while that step's first block
-    runs on the tensor cores), so no promotion waits for an idle tensor core; the step's SMEM slot is released one
-    step late (manual consumed barriers). Ignored with k_blocks=1.
   cross_tile: run one pipeline across all output tiles of a CTA (``PipelinePipeline.START/STEADY/STOP``), so the
     producer loads the next tile's first blocks while this tile finishes and writes its epilogue. Used when every CTA
     has >= 2 tiles and the ring depth divides the K steps (the wrapper adjusts the depth, or drops it).
@@ -82,7 +79,6 @@ class TuningConfig:
   k_blocks: int = 1
   cross_tile: bool = False
   num_wgs: int = 2
-  lookahead: bool = False
 
   def __post_init__(self):
     if self.split not in ("m", "n"):
@@ -154,8 +150,6 @@ def _plan(cfg: TuningConfig, m: int, n: int, k: int, out_dtype, row_scales: bool
   """
   if (k // BLOCK) % cfg.k_blocks:
     cfg = dataclasses.replace(cfg, k_blocks=1)
-  if cfg.k_blocks == 1:
-    cfg = dataclasses.replace(cfg, lookahead=False)
   kb = cfg.k_blocks
   bs_cols = cfg.cta_n if row_scales else _SCALE_REP * max(1, cfg.cta_n // BLOCK)
   stage = kb * ((cfg.cta_m + cfg.cta_n) * BLOCK + 4 * (cfg.cta_m + bs_cols))
@@ -208,7 +202,6 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
         max_concurrent_steps=cfg.max_concurrent_steps,
         compute_context=compute_context,
         pipeline_state=pipeline_state,
-        manual_consumed_barriers=cfg.lookahead,
     )
 
   ignore = lambda *_, **__: None
@@ -285,61 +278,22 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
         plgpu.copy_smem_to_gmem(
             out_smem.at[wg], out_gmem.at[pl.ds(m0 + wg_m_off, WG_M), pl.ds(n0 + wg_n_off, wg_n)])
 
-      acc_t = plgpu.ACC((WG_M, wg_n), jnp.float32)  # a fresh (zeroed) FP8 wgmma accumulator per K block
+      def compute_context(eval_pipeline):
+        epilogue(eval_pipeline(zeros()))
 
-      if not cfg.lookahead:
-        def compute_context(eval_pipeline):
-          epilogue(eval_pipeline(zeros()))
+      def mma_body(_, a_smem, b_smem, as_smem, bs_smem, acc):
+        def block_dots(*blk_refs):
+          for j, r in enumerate(blk_refs):
+            plgpu.wgmma(r, *operands(a_smem, b_smem, j))
+          out = acc
+          for j, r in enumerate(blk_refs):  # scale loads overlap the wgmmas in flight
+            s = scales(as_smem, bs_smem, j)
+            # Block j is promoted while blocks j+1.. still run on the tensor cores.
+            out = promote(out, plgpu.wgmma_accumulator_load(r, wait_n=kb - 1 - j), *s)
+          return out
 
-        def mma_body(_, a_smem, b_smem, as_smem, bs_smem, acc):
-          def block_dots(*blk_refs):
-            for j, r in enumerate(blk_refs):
-              plgpu.wgmma(r, *operands(a_smem, b_smem, j))
-            out = acc
-            for j, r in enumerate(blk_refs):  # scale loads overlap the wgmmas in flight
-              s = scales(as_smem, bs_smem, j)
-              # Block j is promoted while blocks j+1.. still run on the tensor cores.
-              out = promote(out, plgpu.wgmma_accumulator_load(r, wait_n=kb - 1 - j), *s)
-            return out
-
-          return pl.run_scoped(block_dots, *([acc_t] * kb))
-      else:
-        consumed = allocs["flat_consumed_barrier_refs"]  # one per input; the pipeline leaves arrivals to us
-        stages = cfg.max_concurrent_steps
-
-        def release(step, predicate=None):
-          for bar in consumed:
-            plgpu.barrier_arrive(bar.at[lax.rem(step, stages)], predicate=predicate)
-
-        def no_scales():
-          sa = plgpu.layout_cast(jnp.zeros((WG_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-          if row_scales:
-            return sa, plgpu.layout_cast(jnp.zeros((wg_n,), jnp.float32), plgpu.Layout.WGMMA.reduce(0))
-          return sa, jnp.float32(0)
-
-        def compute_context(eval_pipeline):
-          def scope(r0, r1):
-            acc, sa, sb, _, _ = eval_pipeline((zeros(), *no_scales(), r0, r1))
-            acc = promote(acc, plgpu.wgmma_accumulator_load(r1, wait_n=0), sa, sb)  # the last step's block 1
-            release(k_steps - 1)
-            epilogue(acc)
-
-          pl.run_scoped(scope, acc_t, acc_t)
-
-        def mma_body(idx, a_smem, b_smem, as_smem, bs_smem, *carry):
-          *_, (acc, psa, psb, r0, r1) = carry  # (the 4 consumed barriers of this step come first: unused)
-          (step,) = idx
-          r0[...] = zeros()
-          plgpu.wgmma(r0, *operands(a_smem, b_smem, 0))
-          s0, s1 = scales(as_smem, bs_smem, 0), scales(as_smem, bs_smem, 1)
-          # The previous step's block 1 (zeros with zero scales at step 0: acc + 0 * 0 leaves acc's bits as they
-          # are) is promoted while this step's block 0 runs; then that step's SMEM slot is released.
-          acc = promote(acc, plgpu.wgmma_accumulator_load(r1, wait_n=1), psa, psb)
-          release(step + stages - 1, predicate=step > 0)  # slot of step - 1
-          r1[...] = zeros()
-          plgpu.wgmma(r1, *operands(a_smem, b_smem, 1))
-          acc = promote(acc, plgpu.wgmma_accumulator_load(r0, wait_n=1), *s0)
-          return acc, *s1, r0, r1
+        # A fresh (zeroed) FP8 wgmma accumulator per K block.
+        return pl.run_scoped(block_dots, *([plgpu.ACC((WG_M, wg_n), jnp.float32)] * kb))
 
       get_pipeline(mma_body, compute_context, pipeline_state)(
           a_gmem.at[pl.ds(m0, cta_m)],
@@ -380,8 +334,8 @@ def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig
   if interpret:
     # jax 0.11.2's GPU interpreter deadlocks on some cross-tile pipelines (e.g. 64x128 CTAs: the producer never
     # arrives), which the H200 runs bitwise equal to the per-tile pipeline (GPU tests). It changes no bits, so the
-    # interpreter runs the per-tile pipeline. Its wgmma accumulators also cannot be reset in place (lookahead).
-    cfg = dataclasses.replace(cfg, cross_tile=False, lookahead=False)
+    # interpreter runs the per-tile pipeline.
+    cfg = dataclasses.replace(cfg, cross_tile=False)
   cfg, mp, grid, cross_tile = _plan(cfg, m, n, k, out_dtype, row_scales, num_sms)
   if mp != m:
     a_q = jnp.pad(a_q, ((0, mp - m), (0, 0)))

@@ -19,7 +19,6 @@ so decode-sized B matrices are read from HBM, not L2. Two wgrad rows (1x128 x 1x
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -214,12 +213,10 @@ def variant_configs(m, n, k):
   first = mgpu.choose_config(m, n, k)
   if m >= 1024:
     cands = [T("m", 128, 4), T("m", 128, 2, k_blocks=2, cross_tile=True), T("m", 128, 4, num_wgs=3),
-             T("m", 128, 2, k_blocks=2, cross_tile=True, lookahead=True),
-             T("m", 128, 2, k_blocks=2, lookahead=True)]
+             T("m", 128, 4, cross_tile=True, num_wgs=3)]
   else:
     cands = [T(s, w, st, k_blocks=2, cross_tile=True) for s, w, st in
-             (("m", 128, 2), ("n", 64, 4), ("n", 32, 4), ("n", 16, 4))]
-    cands += [dataclasses.replace(first, lookahead=True)]
+             (("m", 128, 2), ("n", 64, 4), ("n", 32, 4), ("n", 16, 4))] + [T("n", 16, 8)]
   return [first] + [c for c in cands if c != first]
 
 
@@ -252,7 +249,6 @@ def variants(ms, shapes, out_dir) -> int:
         err = rel_err(out, ref)
         log(f"  {tfl:.0f} TFLOP/s, x{tfl / base:.3f}, bitwise={same}, err={err:.1e}")
         short = (f"{c.split}/{c.wg_n} st{c.max_concurrent_steps} kb{c.k_blocks} wg{c.num_wgs}"
-                 f"{' lookahead' if c.lookahead else ''}"
                  f"{' cross' if c.cross_tile else ''} {c.grid_minor_dim}{c.grid_tile_width}")
         lines.append(f"| {m} | {name} | {short} | {tfl:.0f} | {tfl / base:.3f} | {same} | {err:.1e} |")
       del sets, q

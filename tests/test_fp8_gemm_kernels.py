@@ -169,7 +169,6 @@ def test_mgpu_lowers_for_cuda_llama_shapes(m):
     mgpu.TuningConfig(split="m", wg_n=128, max_concurrent_steps=2, k_blocks=2, cross_tile=True),
     mgpu.TuningConfig(split="n", wg_n=32, max_concurrent_steps=4, k_blocks=2),
     mgpu.TuningConfig(split="m", wg_n=128, max_concurrent_steps=4, cross_tile=True, num_wgs=3),
-    mgpu.TuningConfig(split="m", wg_n=128, max_concurrent_steps=2, k_blocks=2, cross_tile=True, lookahead=True),
 ], ids=str)
 @pytest.mark.parametrize("row_scales,out_dtype", [(False, jnp.float32), (True, jnp.float32), (True, jnp.bfloat16)])
 def test_mgpu_lowers_for_cuda_configs(cfg, row_scales, out_dtype):
@@ -235,8 +234,7 @@ def _invariance_configs():
   T = mgpu.TuningConfig
   return ([None] + [T(split=s, wg_n=w) for s in ("m", "n") for w in (16, 32, 64, 128)]
           + [T("m", 128, 2, k_blocks=2), T("n", 32, 4, k_blocks=2), T("m", 128, 4, cross_tile=True),
-             T("m", 128, 2, k_blocks=2, cross_tile=True), T("m", 128, 4, cross_tile=True, num_wgs=3),
-             T("m", 128, 2, k_blocks=2, cross_tile=True, lookahead=True), T("n", 32, 4, k_blocks=2, lookahead=True)])
+             T("m", 128, 2, k_blocks=2, cross_tile=True), T("m", 128, 4, cross_tile=True, num_wgs=3)])
 
 
 @pytest.mark.gpu
