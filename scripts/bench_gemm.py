@@ -2,6 +2,7 @@
 
   PYTHONPATH=. python3 scripts/bench_gemm.py [--ms 8192,256,64] [--shapes qkv,o,...] [--out DIR] [--no-wgrad]
   PYTHONPATH=. python3 scripts/bench_gemm.py --variants [--ms ...] [--shapes ...]   # schedule variants, bitwise-checked
+  PYTHONPATH=. python3 scripts/bench_gemm.py --quant --ms 8192   # activation quantization vs the layer's GEMMs
 
 For M in --ms and the Llama-3.1-8B linear shapes (K x N): TFLOP/s (2*M*N*K / median kernel time) of
   ours     pallas_kernels.fp8_gemm_mgpu.fp8_gemm (1x128 x 128x128 scales, BF16 out; wrapper ops included)
@@ -259,6 +260,61 @@ def variants(ms, shapes, out_dir) -> int:
   return 1 if bad else 0
 
 
+def _to_e4m3_frexp(x_scaled):
+  """The quantizer's earlier E4M3 rounding (frexp/ldexp), kept here only as the --quant speed baseline."""
+  x = jnp.clip(x_scaled.astype(jnp.float32), -quant.E4M3_MAX, quant.E4M3_MAX)
+  _, e = jnp.frexp(x)
+  ulp_exp = jnp.maximum(e - 4, -9)
+  x = jnp.ldexp(jnp.round(jnp.ldexp(x, -ulp_exp)), ulp_exp)
+  return jnp.where(jnp.isfinite(x_scaled), x, jnp.nan).astype(quant.FP8_DTYPE)
+
+
+def quant_cost(m, out_dir) -> int:
+  """Activation-quantization cost vs the GEMMs that consume it, for one Llama-3.1-8B layer forward at M tokens.
+
+  Per layer forward, fp8jax quantizes 4 activations (1x128 groups): the inputs of qkv, o, gate_up (K = 4096) and of
+  down (K = 14336); the wgrad path also quantizes x transposed (quantize_act_t). All in XLA (fused elementwise +
+  group amax). Prints the time of each, its HBM bandwidth (read BF16 + write E4M3 + FP32 scales) and the sum as a
+  fraction of the layer's four forward GEMMs (our kernel, same run).
+  """
+  lines = ["| op | shape | us | GB/s |", "|---|---|---|---|"]
+  # Side by side: the earlier frexp/ldexp rounding (same bits, checked here on this GPU) vs quant.to_e4m3.
+  x = jax.random.normal(jax.random.key(0), (m, 4096), jnp.bfloat16) * 3
+  new_q = quant.quantize_act(x)
+  to_e4m3 = quant.to_e4m3
+  quant.to_e4m3 = _to_e4m3_frexp
+  try:
+    old_q = quant.quantize_act(x)
+    ms_old, _ = jax_time_ms(quant.quantize_act, [(x,)])
+  finally:
+    quant.to_e4m3 = to_e4m3
+  same = bool((new_q[0].view(jnp.uint8) == old_q[0].view(jnp.uint8)).all() and (new_q[1] == old_q[1]).all())
+  lines.append(f"| quantize_act, frexp/ldexp rounding (before; bitwise = now: {same}) | {m}x4096 | "
+               f"{ms_old * 1e3:.1f} | {(m * 4096 * 3 + m * 32 * 4) / (ms_old * 1e-3) / 1e9:.0f} |")
+  total_q = 0.0
+  for name, k, count in (("quantize_act", 4096, 3), ("quantize_act", 14336, 1), ("quantize_act_t", 4096, 0)):
+    xs = [(jax.random.normal(jax.random.key(i + k), (m, k), jnp.bfloat16),) for i in range(3)]
+    fn = quant.quantize_act if name == "quantize_act" else quant.quantize_act_t
+    ms_, _ = jax_time_ms(fn, xs)
+    gbs = (m * k * 3 + m * k // 128 * 4) / (ms_ * 1e-3) / 1e9
+    lines.append(f"| {name} | {m}x{k} | {ms_ * 1e3:.1f} | {gbs:.0f} |")
+    total_q += count * ms_
+  total_g = 0.0
+  for name in ("qkv", "o", "gate_up", "down"):
+    k, n = SHAPES[name]
+    sets = make_sets(m, n, k, 2)
+    ms_, _ = jax_time_ms(lambda *a: mgpu.fp8_gemm(*a), [(s["a_q"], s["a_s"], s["b_q"], s["b_s"]) for s in sets])
+    lines.append(f"| fp8_gemm {name} | {m}x{k} . {n}x{k} | {ms_ * 1e3:.1f} | - |")
+    total_g += ms_
+  lines.append(f"| **layer forward: 4 quantizations / 4 GEMMs** | M={m} | {total_q * 1e3:.1f} / {total_g * 1e3:.1f} "
+               f"= {total_q / total_g:.1%} | - |")
+  table_s = "\n".join(lines)
+  with open(os.path.join(out_dir, "bench_quant.md"), "w") as f:
+    f.write(table_s + "\n")
+  print("\nActivation quantization vs GEMMs (CUPTI kernel time, median of 5)\n" + table_s)
+  return 0
+
+
 def fmt(x, f="{:.0f}"):
   return "-" if x is None else f.format(x)
 
@@ -308,9 +364,12 @@ def main():
   p.add_argument("--out", default=os.environ.get("OUT", "."))
   p.add_argument("--no-wgrad", action="store_true")
   p.add_argument("--variants", action="store_true", help="time schedule variants side by side (and check bits)")
+  p.add_argument("--quant", action="store_true", help="activation-quantization cost vs the layer's GEMMs")
   args = p.parse_args()
   if args.smoke:
     return smoke()
+  if args.quant:
+    return quant_cost(int(args.ms.split(",")[0]), args.out)
   if args.variants:
     return variants([int(x) for x in args.ms.split(",")], args.shapes.split(","), args.out)
   if args.skip_ours:
