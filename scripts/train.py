@@ -24,6 +24,7 @@ def main(argv):
   del argv
   if _CONFIG.value is None:
     raise app.UsageError("--config is required, e.g. --config=configs/tiny_fp8.py")
+  from fp8jax.metrics import read_jsonl  # noqa: PLC0415
   from fp8jax.rl.trainer import RLTrainer  # noqa: PLC0415
 
   config = _CONFIG.value
@@ -32,8 +33,14 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   trainer = RLTrainer(config, _WORKDIR.value)
   history = trainer.run(_STEPS.value)
-  first = next((h for h in history if "val_accuracy" in h), {})
-  last = next((h for h in reversed(history) if "val_accuracy" in h), {})
+  # The summary covers the whole run, also when this call resumed it (metrics.jsonl is appended to).
+  path = os.path.join(trainer.workdir, "metrics.jsonl")
+  rows = read_jsonl(path) if os.path.exists(path) else history
+  first = next((h for h in rows if "val_accuracy" in h), {})
+  last = next((h for h in reversed(rows) if "val_accuracy" in h), {})
+  if not history:
+    print(f"\nnothing to run: the checkpoint in {trainer.workdir} is already at the last step "
+          "(--noresume starts over, --steps=N runs further)")
   print(f"\nrun directory: {trainer.workdir}")
   print(f"validation accuracy: {first.get('val_accuracy', float('nan')):.3f} (after warm-start) -> "
         f"{last.get('val_accuracy', float('nan')):.3f} (step {last.get('step')})")

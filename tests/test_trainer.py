@@ -133,6 +133,20 @@ def test_mistyped_override_fails_clearly():
   assert "num_promts" in res.stderr
 
 
+def test_rerun_of_a_finished_run_says_so_and_summarizes_it(tmp_path):
+  """Running the main command again in the same workdir resumes at the last step: it reports the finished run."""
+  cmd = [sys.executable, os.path.join(REPO, "scripts", "train.py"), "--config=configs/tiny_fp8.py",
+         f"--workdir={tmp_path}", "--config.warmstart.steps=2", "--config.train.steps=1",
+         "--config.train.val_prompts=8", "--config.grpo.num_prompts=2", "--config.grpo.num_generations=2"]
+  first = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+  assert first.returncode == 0, first.stderr[-3000:]
+  again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "nothing to run" in again.stdout and "nothing to run" not in first.stdout
+  summary = [ln for ln in again.stdout.splitlines() if ln.startswith("validation accuracy")]
+  assert summary and "nan" not in summary[0] and summary[0].endswith("(step 1)"), again.stdout
+
+
 @pytest.mark.slow
 def test_tiny_default_learns(tmp_path):
   """The README's main job, shortened: validation accuracy rises by a clear margin."""
