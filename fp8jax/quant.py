@@ -108,7 +108,7 @@ def to_e4m3(x_scaled: jax.Array) -> jax.Array:
   the bit pattern (add 0x7FFFF plus the lowest kept bit, then mask: round to nearest even; a carry moves into the
   exponent as it should). Subnormals (|x| < 2**-6) have the fixed step 2**-9: ``round(x * 512) / 512``, exact.
   Checked against a direct (single-rounding) cast at every rounding boundary (tests/test_quant.py) and over all
-  2**32 FP32 bit patterns (once, docs/benchmarks.md). About 10 integer ops per element; the earlier frexp/ldexp
+  2**32 FP32 bit patterns (once, docs/benchmarks.md). About a dozen integer ops per element; the earlier frexp/ldexp
   formulation (same bits) held XLA's quantization kernels to ~550 GB/s on the H200 (docs/benchmarks.md).
   """
   x = jnp.clip(x_scaled.astype(jnp.float32), -E4M3_MAX, E4M3_MAX)

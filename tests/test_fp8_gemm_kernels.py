@@ -66,7 +66,6 @@ MGPU_CASES = [  # (m, n, k, row_scales, config or None, out_dtype)
     (64, 512, 256, False, mgpu.TuningConfig(split="n", wg_n=128, max_concurrent_steps=3), jnp.bfloat16),
     (130, 256, 512, False, mgpu.TuningConfig(split="m", wg_n=64, max_concurrent_steps=2, k_blocks=2), jnp.float32),
     (70, 256, 512, True, mgpu.TuningConfig(split="n", wg_n=32, max_concurrent_steps=2, k_blocks=2), jnp.float32),
-    (200, 256, 256, False, mgpu.TuningConfig(split="m", wg_n=64, max_concurrent_steps=2, num_wgs=3), jnp.bfloat16),
 ]
 
 
