@@ -126,6 +126,13 @@ def test_sharded_equals_unsharded_on_4_fake_devices(tmp_path):
     np.testing.assert_allclose(out["four"][k], out["one"][k], rtol=2e-2, atol=1e-5)
 
 
+def test_tiny_config_lists_every_optimizer_key():
+  """Every OptimConfig field is in the (locked) tiny config, so each can be overridden from the command line."""
+  import dataclasses  # noqa: PLC0415
+
+  assert set(tiny_fp8.get_config().optim) == {f.name for f in dataclasses.fields(trainer_lib.OptimConfig)}
+
+
 def test_mistyped_override_fails_clearly():
   res = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "train.py"), "--config=configs/tiny_fp8.py",
                         "--config.grpo.num_promts=3"], capture_output=True, text=True, cwd=REPO, timeout=300)
