@@ -44,6 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from fp8jax.config_utils import dataclass_from_group
+
 FP8_DTYPE = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -227,8 +229,6 @@ class Recipe:
 
   @classmethod
   def from_config(cls, c: Any) -> "Recipe":
-    from fp8jax.config_utils import dataclass_from_group  # noqa: PLC0415
-
     return dataclass_from_group(cls, c, "fp8")
 
   def selects(self, path: str, layer: int | None, num_layers: int) -> bool:

@@ -127,7 +127,7 @@ def choose_config(m: int, n: int, k: int, num_sms: int | None = None) -> TuningC
     where the GEMM is bound by reading B (M = 256 o/down: 64x128; M = 64 qkv: 64x64, o/down: 64x32).
   """
   del k
-  if m >= 2048 and n >= 16384 and n % 128 == 0:
+  if m >= 2048 and n >= 16384:
     return TuningConfig("m", 128, 4, num_wgs=3)
   num_sms = num_sms or _num_sms()
   enough = (7 * num_sms) // 10
@@ -146,7 +146,7 @@ _SMEM_BUDGET = 220 * 1024  # of the 227 KiB an sm_90 CTA may use; the rest is le
 def _plan(cfg: TuningConfig, m: int, n: int, k: int, out_dtype, row_scales: bool, num_sms: int):
   """Resolves a config for one shape: k_blocks, ring depth (SMEM fit; divides the K steps for cross_tile), grid.
 
-  Returns (cfg, padded M, grid size, cross_tile).
+  Returns (cfg as it will run, padded M, grid size).
   """
   if (k // BLOCK) % cfg.k_blocks:
     cfg = dataclasses.replace(cfg, k_blocks=1)
@@ -164,7 +164,7 @@ def _plan(cfg: TuningConfig, m: int, n: int, k: int, out_dtype, row_scales: bool
     while stages > 2 and k_steps % stages:
       stages -= 1
     cross = k_steps % stages == 0
-  return dataclasses.replace(cfg, max_concurrent_steps=stages), mp, grid, cross
+  return dataclasses.replace(cfg, max_concurrent_steps=stages, cross_tile=cross), mp, grid
 
 
 def _swizzled(shape_minor_bytes: int, itemsize: int):
@@ -172,8 +172,7 @@ def _swizzled(shape_minor_bytes: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: TuningConfig, row_scales: bool,
-            cross_tile: bool):
+def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: TuningConfig, row_scales: bool):
   """Refs: a (Mp, K) e4m3, b (N, K) e4m3, as (Kb, Mp) f32, bs (Kb, 32*Nb | N) f32, out (Mp, N)."""
   mp, k = a_gmem.shape
   n = b_gmem.shape[0]
@@ -236,7 +235,7 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
         bs_start = nb0 * _SCALE_REP
         bs_col = ((n0 + wg_n_off) // BLOCK - nb0) * _SCALE_REP
       pipeline_state = None
-      if cross_tile:  # every CTA has >= 2 tiles (checked by _plan)
+      if cfg.cross_tile:  # every CTA has >= 2 tiles (_plan keeps it only then)
         P = plgpu.PipelinePipeline
         pipeline_state = jnp.where(info.local_index == 0, int(P.START),
                                    jnp.where(info.local_index == info.num_local_steps - 1, int(P.STOP),
@@ -339,7 +338,7 @@ def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig
     cfg = dataclasses.replace(cfg, cross_tile=False)
     if cfg.num_wgs == 3:
       cfg = dataclasses.replace(cfg, num_wgs=2)
-  cfg, mp, grid, cross_tile = _plan(cfg, m, n, k, out_dtype, row_scales, num_sms)
+  cfg, mp, grid = _plan(cfg, m, n, k, out_dtype, row_scales, num_sms)
   if mp != m:
     a_q = jnp.pad(a_q, ((0, mp - m), (0, 0)))
     a_s = jnp.pad(a_s, ((0, mp - m), (0, 0)))
@@ -351,7 +350,7 @@ def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig
   out_smem_type = plgpu.SMEM((cfg.num_wgs, WG_M, cfg.wg_n), out_dtype,
                              transforms=_swizzled(cfg.wg_n * out_dtype.itemsize, out_dtype.itemsize))
   kernel = plgpu.kernel(
-      functools.partial(_kernel, cfg=cfg, row_scales=row_scales, cross_tile=cross_tile),
+      functools.partial(_kernel, cfg=cfg, row_scales=row_scales),
       out_type=jax.ShapeDtypeStruct((mp, n), out_dtype),
       scratch_types=[out_smem_type],
       grid=(grid,),
