@@ -76,9 +76,10 @@ def _scale_from_amax(amax: jax.Array, pow2: bool) -> jax.Array:
   amax = jnp.maximum(amax.astype(jnp.float32), AMAX_FLOOR)
   scale = amax * jnp.float32(INV_E4M3_MAX)
   if pow2:
-    # Round the exponent up: frexp gives scale = m * 2**e with m in [0.5, 1); m == 0.5 is already a power of 2.
-    m, e = jnp.frexp(scale)
-    scale = jnp.ldexp(jnp.ones_like(scale), jnp.where(m == 0.5, e - 1, e))
+    # Round up to a power of two on the bit pattern: a nonzero mantissa carries into the exponent, then the
+    # mantissa is cleared (scale is a positive normal FP32 number here, far below 2**127).
+    bits = lax.bitcast_convert_type(scale, jnp.uint32)
+    scale = lax.bitcast_convert_type((bits + jnp.uint32(0x7FFFFF)) & jnp.uint32(0xFF800000), jnp.float32)
   return scale
 
 
@@ -98,28 +99,40 @@ def reciprocal(scale: jax.Array) -> jax.Array:
   return jnp.float32(1.0) / scale.astype(jnp.float32)
 
 
-def to_e4m3(x_scaled: jax.Array) -> jax.Array:
+def to_e4m3(x_scaled: jax.Array, *, native_cast: bool | None = None) -> jax.Array:
   """Clip to +-448 and round to E4M3 (nearest even); non-finite -> NaN.
 
-  The rounding is done on FP32 values (exact integer / power-of-two arithmetic), so the final cast only changes the
-  storage type. A plain FP32 -> FP8 cast is not safe to rely on: XLA:CPU lowers some FP8 converts through FP16, a
-  double rounding that disagrees with the direct cast on rare midpoint values — and then a fused decode step and
-  the trainer would quantize the same value differently.
+  Two implementations with the same bits, picked by platform (``native_cast=None``: the hardware cast when the
+  program is lowered for CUDA, the exact FP32 rounding elsewhere; ``True`` / ``False`` force one, e.g. inside a
+  Pallas kernel body, where ``lax.platform_dependent`` does not lower):
 
-  Normal E4M3 range (|x| >= 2**-6): E4M3 keeps 3 of FP32's 23 mantissa bits, so the low 20 bits are rounded off on
-  the bit pattern (add 0x7FFFF plus the lowest kept bit, then mask: round to nearest even; a carry moves into the
-  exponent as it should). Subnormals (|x| < 2**-6) have the fixed step 2**-9: ``round(x * 512) / 512``, exact.
-  Checked against a direct (single-rounding) cast at every rounding boundary (tests/test_quant.py) and over all
-  2**32 FP32 bit patterns (once, docs/benchmarks.md). About a dozen integer ops per element; the earlier frexp/ldexp
-  formulation (same bits) held XLA's quantization kernels to ~550 GB/s on the H200 (docs/benchmarks.md).
+  * exact FP32 rounding, then a cast that only changes the storage type. A plain FP32 -> FP8 convert is not safe to
+    rely on everywhere: XLA:CPU lowers some FP8 converts through FP16, a double rounding that disagrees with the
+    direct cast on rare midpoint values. Normal E4M3 range (|x| >= 2**-6): E4M3 keeps 3 of FP32's 23 mantissa bits,
+    so the low 20 bits are rounded off on the bit pattern (add 0x7FFFF plus the lowest kept bit, then mask: round to
+    nearest even; a carry moves into the exponent as it should). Subnormals (|x| < 2**-6) have the fixed step 2**-9:
+    ``round(x * 512) / 512``, exact. About a dozen integer ops per element.
+  * native: the clipped FP32 value cast directly (sm_90: ``cvt.rn.satfinite.e4m3x2.f32``, one rounding to nearest
+    even, two elements per instruction), which keeps the quantization kernels memory-bound.
+
+  Both are checked against an independent single-rounding reference (ml_dtypes) over all 2**32 FP32 bit patterns:
+  the exact rounding on CPU and the H200, the native cast on the H200 through XLA and through a Pallas Triton
+  kernel (``scripts/check_e4m3_exhaustive.py``, docs/benchmarks.md); the CI test checks every rounding boundary.
   """
   x = jnp.clip(x_scaled.astype(jnp.float32), -E4M3_MAX, E4M3_MAX)
-  bits = lax.bitcast_convert_type(x, jnp.uint32)
-  bits = (bits + (jnp.uint32(0x7FFFF) + ((bits >> 20) & jnp.uint32(1)))) & jnp.uint32(0xFFF00000)
-  normal = lax.bitcast_convert_type(bits, jnp.float32)
-  subnormal = jnp.round(x * jnp.float32(512.0)) * jnp.float32(1.0 / 512.0)
-  x = jnp.where(jnp.abs(x) < jnp.float32(2.0**-6), subnormal, normal)
-  return jnp.where(jnp.isfinite(x_scaled), x, jnp.nan).astype(FP8_DTYPE)
+
+  def exact():
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    bits = (bits + (jnp.uint32(0x7FFFF) + ((bits >> 20) & jnp.uint32(1)))) & jnp.uint32(0xFFF00000)
+    normal = lax.bitcast_convert_type(bits, jnp.float32)
+    subnormal = jnp.round(x * jnp.float32(512.0)) * jnp.float32(1.0 / 512.0)
+    return jnp.where(jnp.abs(x) < jnp.float32(2.0**-6), subnormal, normal)
+
+  if native_cast is None:
+    y = lax.platform_dependent(cuda=lambda: x, default=exact)
+  else:
+    y = x if native_cast else exact()
+  return jnp.where(jnp.isfinite(x_scaled), y, jnp.nan).astype(FP8_DTYPE)
 
 
 def _check_multiple(dim: int, what: str):
