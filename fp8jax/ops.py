@@ -12,7 +12,8 @@ type of ``w`` (chosen by the recipe in ``fp8jax.quant``), never on who calls it:
   ``quantize_weight`` is deterministic, so the FP8Weight and QWeight forwards are bitwise the same computation.
 
 Outputs are ``cfg.out_dtype`` (BF16 by default). The GEMMs run on a backend: "xla" is the exact block-math
-reference in ``pallas_kernels.fp8_gemm`` (every kernel is tested against it); "pallas" is the Hopper kernel.
+reference in ``pallas_kernels.fp8_gemm`` (every kernel is tested against it); "pallas" is the Hopper kernel, with
+the activations quantized by the one-pass kernels of ``pallas_kernels.fp8_quant`` (bitwise the quantizer's output).
 "auto" picks the kernel on sm_90 GPUs and the reference elsewhere; the choice is logged once and readable through
 ``backend_report()``, so a change of numerics is never silent.
 """
@@ -67,6 +68,12 @@ def _pallas_gemm():
   return fp8_gemm_mgpu.fp8_gemm
 
 
+@functools.cache
+def _pallas_quant():
+  from pallas_kernels import fp8_quant  # noqa: PLC0415 (imports the Pallas Triton backend only when asked for)
+  return fp8_quant
+
+
 def resolve_backend(requested: str) -> str:
   """'auto' | 'xla' | 'pallas' -> the backend that will run; logs the choice once per (request, result)."""
   if requested not in ("auto", "xla", "pallas"):
@@ -77,6 +84,7 @@ def resolve_backend(requested: str) -> str:
     if hopper_available():
       try:
         _pallas_gemm()
+        _pallas_quant()
         chosen, why = "pallas", "sm_90 GPU"
       except ImportError as e:  # kernel module missing or broken: say so, never silently
         why = f"pallas kernel unavailable ({e})"
@@ -101,19 +109,33 @@ def fp8_gemm(a_q, a_s, b_q, b_s, out_dtype, backend: str = "auto") -> jax.Array:
   return fp8_gemm_ref.fp8_gemm_reference(a_q, a_s, b_q, b_s, out_dtype=out_dtype)
 
 
+def quantize_act(x, pow2: bool = False, backend: str = "auto"):
+  """``quant.quantize_act`` on the resolved backend: the one-pass Pallas kernel on sm_90 (same bits), XLA else."""
+  if resolve_backend(backend) == "pallas":
+    return _pallas_quant().quantize_act(x, pow2)
+  return quant.quantize_act(x, pow2)
+
+
+def quantize_act_t(x_MxK, pow2: bool = False, backend: str = "auto"):
+  """``quant.quantize_act_t`` (wgrad layout) on the resolved backend, like ``quantize_act``."""
+  if resolve_backend(backend) == "pallas":
+    return _pallas_quant().quantize_act_t(x_MxK, pow2)
+  return quant.quantize_act_t(x_MxK, pow2)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The linear op
 # ------------------------------------------------------------------------------------------------------------------
 
 
 def _forward_q(x_MxK, qw: quant.QWeight, cfg: LinearConfig):
-  xq, xs = quant.quantize_act(quant.pad_k(x_MxK), cfg.pow2_scales)
+  xq, xs = quantize_act(quant.pad_k(x_MxK), cfg.pow2_scales, cfg.backend)
   return fp8_gemm(xq, xs, quant.pad_k(qw.q, -1), qw.scale, jnp.dtype(cfg.out_dtype), cfg.backend)
 
 
 def _dgrad(dy_MxN, qw: quant.QWeight, k: int, dtype, cfg: LinearConfig):
   """dx = Q(dy)[1x128 over N] . Q(w)^T: B is w^T stored (K, N), i.e. K-major over N."""
-  dyq, dys = quant.quantize_act(quant.pad_k(dy_MxN), cfg.pow2_scales)
+  dyq, dys = quantize_act(quant.pad_k(dy_MxN), cfg.pow2_scales, cfg.backend)
   wt_KxN = quant.pad_k(quant.pad_k(qw.q.T, -1), 0)  # transposing 128x128 tiles keeps them 128x128 tiles
   dx = fp8_gemm(dyq, dys, wt_KxN, qw.scale.T, jnp.dtype(dtype), cfg.backend)
   return dx[:, :k]
@@ -121,8 +143,8 @@ def _dgrad(dy_MxN, qw: quant.QWeight, k: int, dtype, cfg: LinearConfig):
 
 def _wgrad(dy_MxN, x_MxK, cfg: LinearConfig):
   """dw = Q(dy^T)[1x128 over tokens] . Q(x^T)[1x128 over tokens] -> (N, K) in FP32."""
-  aq, as_ = quant.quantize_act_t(dy_MxN, cfg.pow2_scales)
-  bq, bs = quant.quantize_act_t(x_MxK, cfg.pow2_scales)
+  aq, as_ = quantize_act_t(dy_MxN, cfg.pow2_scales, cfg.backend)
+  bq, bs = quantize_act_t(x_MxK, cfg.pow2_scales, cfg.backend)
   return fp8_gemm(aq, as_, bq, bs, jnp.float32, cfg.backend)
 
 

@@ -126,9 +126,35 @@ def make_sets(m, n, k, r, row_scales=False):
   return jax.block_until_ready(sets)
 
 
-def bench_case(m, name, k, n, r, row_scales=False, out_dtype=jnp.bfloat16):
+def cublas_block_call(a_q, a_s, b_q, b_s, *, row_scales, out_dtype):
+  """A no-argument call of cuBLAS's blockwise FP8 GEMM (torch scaled_mm) on torch views of our operands."""
   import torch  # noqa: PLC0415
   import torch.nn.functional as F  # noqa: PLC0415
+  k = a_q.shape[1]
+  kb4 = -(-(k // 128) // 4) * 4
+  sa = a_s.t().contiguous().t()  # (M, Kb), stride (1, M): outer-dim-major, as cuBLAS wants
+  if row_scales:
+    sb = b_s.t().contiguous().t()  # (N, Kb), stride (1, N)
+    rec_b = F.ScalingType.BlockWise1x128
+  else:
+    nb = b_s.shape[0]
+    sbp = torch.zeros((nb, kb4), dtype=torch.float32, device=b_s.device)
+    sbp[:, :b_s.shape[1]] = b_s
+    sb = sbp.t()  # (L4, Nb), stride (1, L4)
+    rec_b = F.ScalingType.BlockWise128x128
+  tdt = torch.bfloat16 if out_dtype == jnp.bfloat16 else torch.float32
+  call = lambda: F.scaled_mm(a_q, b_q.t(), sa, F.ScalingType.BlockWise1x128, sb, rec_b,  # noqa: E731
+                             output_dtype=tdt)
+  try:
+    call()
+  except Exception as e:  # noqa: BLE001  (older API: torch._scaled_mm with the same scale tensors)
+    log("  F.scaled_mm failed, trying torch._scaled_mm:", repr(e)[:300])
+    call = lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb, out_dtype=tdt)  # noqa: E731
+  return call
+
+
+def bench_case(m, name, k, n, r, row_scales=False, out_dtype=jnp.bfloat16):
+  import torch  # noqa: PLC0415
   flops = 2.0 * m * n * k
   tf = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
   sets = make_sets(m, n, k, r, row_scales)
@@ -163,29 +189,7 @@ def bench_case(m, name, k, n, r, row_scales=False, out_dtype=jnp.bfloat16):
   # cuBLAS through torch (operands shared with JAX through DLPack).
   tq = [tuple(to_torch(t) for t in s) for s in q]
   try:
-    calls = []
-    kb4 = -(-(k // 128) // 4) * 4
-    for a_q, a_s, b_q, b_s in tq:
-      sa = a_s.t().contiguous().t()  # (M, Kb), stride (1, M): outer-dim-major, as cuBLAS wants
-      if row_scales:
-        sb = b_s.t().contiguous().t()  # (N, Kb), stride (1, N)
-        rec_b = F.ScalingType.BlockWise1x128
-      else:
-        nb = b_s.shape[0]
-        sbp = torch.zeros((nb, kb4), dtype=torch.float32, device=b_s.device)
-        sbp[:, :b_s.shape[1]] = b_s
-        sb = sbp.t()  # (L4, Nb), stride (1, L4)
-        rec_b = F.ScalingType.BlockWise128x128
-      tdt = torch.bfloat16 if out_dtype == jnp.bfloat16 else torch.float32
-      calls.append(lambda a_q=a_q, b_q=b_q, sa=sa, sb=sb, rec_b=rec_b, tdt=tdt: F.scaled_mm(
-          a_q, b_q.t(), sa, F.ScalingType.BlockWise1x128, sb, rec_b, output_dtype=tdt))
-    try:
-      calls[0]()
-    except Exception as e:  # noqa: BLE001  (older API: torch._scaled_mm with the same scale tensors)
-      log("  F.scaled_mm failed, trying torch._scaled_mm:", repr(e)[:300])
-      calls = [lambda c=c: torch._scaled_mm(c.__defaults__[0], c.__defaults__[1].t(), scale_a=c.__defaults__[2],
-                                            scale_b=c.__defaults__[3], out_dtype=c.__defaults__[5])
-               for c in calls]
+    calls = [cublas_block_call(*t, row_scales=row_scales, out_dtype=out_dtype) for t in tq]
     ms, out = torch_time_ms(calls)
     row.update(cublas_block=tf(ms), cublas_block_err=rel_err(to_jax(out), ref))
   except Exception:  # noqa: BLE001
@@ -260,59 +264,67 @@ def variants(ms, shapes, out_dir) -> int:
   return 1 if bad else 0
 
 
-def _to_e4m3_frexp(x_scaled):
-  """The quantizer's earlier E4M3 rounding (frexp/ldexp), kept here only as the --quant speed baseline."""
-  x = jnp.clip(x_scaled.astype(jnp.float32), -quant.E4M3_MAX, quant.E4M3_MAX)
-  _, e = jnp.frexp(x)
-  ulp_exp = jnp.maximum(e - 4, -9)
-  x = jnp.ldexp(jnp.round(jnp.ldexp(x, -ulp_exp)), ulp_exp)
-  return jnp.where(jnp.isfinite(x_scaled), x, jnp.nan).astype(quant.FP8_DTYPE)
+def _bitwise_equal(x, y) -> bool:
+  (q1, s1), (q2, s2) = x, y
+  return bool(q1.shape == q2.shape and (q1.view(jnp.uint8) == q2.view(jnp.uint8)).all() and (s1 == s2).all())
 
 
 def quant_cost(m, out_dir) -> int:
   """Activation-quantization cost vs the GEMMs that consume it, for one Llama-3.1-8B layer forward at M tokens.
 
   Per layer forward, fp8jax quantizes 4 activations (1x128 groups): the inputs of qkv, o, gate_up (K = 4096) and of
-  down (K = 14336); the wgrad path also quantizes x transposed (quantize_act_t). All in XLA (fused elementwise +
-  group amax). Prints the time of each, its HBM bandwidth (read BF16 + write E4M3 + FP32 scales) and the sum as a
-  fraction of the layer's four forward GEMMs (our kernel, same run).
+  down (K = 14336); the wgrad path quantizes dy and x transposed (quantize_act_t). Side by side in this run: the
+  XLA quantizer (``fp8jax.quant``, fused elementwise + group amax) and the one-pass Pallas kernels
+  (``pallas_kernels.fp8_quant``, checked bitwise against it here), with a small sweep of the kernels' block sizes.
+  Prints each one's time, its HBM bandwidth (read BF16 + write E4M3 + FP32 scales) and the forward sum as a
+  fraction of the layer's four forward GEMMs (our GEMM kernel, same run).
   """
-  lines = ["| op | shape | us | GB/s |", "|---|---|---|---|"]
-  # Side by side: the earlier frexp/ldexp rounding (same bits, checked here on this GPU) vs quant.to_e4m3.
+  from pallas_kernels import fp8_quant  # noqa: PLC0415
+  lines = ["| op | shape | XLA us | XLA GB/s | kernel us | kernel GB/s | kernel / XLA speed | bitwise |",
+           "|---|---|---|---|---|---|---|---|"]
+  bad = 0
   x = jax.random.normal(jax.random.key(0), (m, 4096), jnp.bfloat16) * 3
-  new_q = quant.quantize_act(x)
-  to_e4m3 = quant.to_e4m3
-  quant.to_e4m3 = _to_e4m3_frexp
-  try:
-    old_q = quant.quantize_act(x)
-    ms_old, _ = jax_time_ms(quant.quantize_act, [(x,)])
-  finally:
-    quant.to_e4m3 = to_e4m3
-  same = bool((new_q[0].view(jnp.uint8) == old_q[0].view(jnp.uint8)).all() and (new_q[1] == old_q[1]).all())
-  lines.append(f"| quantize_act, frexp/ldexp rounding (before; bitwise = now: {same}) | {m}x4096 | "
-               f"{ms_old * 1e3:.1f} | {(m * 4096 * 3 + m * 32 * 4) / (ms_old * 1e-3) / 1e9:.0f} |")
-  total_q = 0.0
-  for name, k, count in (("quantize_act", 4096, 3), ("quantize_act", 14336, 1), ("quantize_act_t", 4096, 0)):
+  for name, fn, opts in (("quantize_act", fp8_quant.quantize_act,
+                          [dict(block_m=b, num_warps=w) for b in (16, 32, 64) for w in (4, 8)]),
+                         ("quantize_act_t", fp8_quant.quantize_act_t,
+                          [dict(block_k=b, num_warps=w) for b in (16, 32, 64) for w in (4, 8)])):
+    sweep = []
+    for o in opts:
+      ms_, out = jax_time_ms(lambda a, o=o, fn=fn: fn(a, **o), [(x,)])
+      sweep.append(f"{o}: {ms_ * 1e3:.1f} us")
+    log(f"  {name} block sweep at {m}x4096:", "; ".join(sweep))
+    lines.append(f"| {name} kernel block sweep | {m}x4096 | " + "; ".join(sweep) + " | | | | | |")
+  total = {"xla": 0.0, "kernel": 0.0}
+  for name, k, count in (("quantize_act", 4096, 3), ("quantize_act", 14336, 1), ("quantize_act_t", 4096, 0),
+                         ("quantize_act_t", 14336, 0)):
     xs = [(jax.random.normal(jax.random.key(i + k), (m, k), jnp.bfloat16),) for i in range(3)]
-    fn = quant.quantize_act if name == "quantize_act" else quant.quantize_act_t
-    ms_, _ = jax_time_ms(fn, xs)
-    gbs = (m * k * 3 + m * k // 128 * 4) / (ms_ * 1e-3) / 1e9
-    lines.append(f"| {name} | {m}x{k} | {ms_ * 1e3:.1f} | {gbs:.0f} |")
-    total_q += count * ms_
+    ref_fn = getattr(quant, name)
+    ker_fn = getattr(fp8_quant, name)
+    ms_x, out_x = jax_time_ms(ref_fn, xs)
+    ms_k, out_k = jax_time_ms(ker_fn, xs)
+    same = _bitwise_equal(out_x, out_k)
+    bad += not same
+    nbytes = m * k * 3 + m * k // 128 * 4
+    lines.append(f"| {name} | {m}x{k} | {ms_x * 1e3:.1f} | {nbytes / (ms_x * 1e-3) / 1e9:.0f} | {ms_k * 1e3:.1f} | "
+                 f"{nbytes / (ms_k * 1e-3) / 1e9:.0f} | {ms_x / ms_k:.2f}x | {same} |")
+    total["xla"] += count * ms_x
+    total["kernel"] += count * ms_k
   total_g = 0.0
   for name in ("qkv", "o", "gate_up", "down"):
     k, n = SHAPES[name]
     sets = make_sets(m, n, k, 2)
     ms_, _ = jax_time_ms(lambda *a: mgpu.fp8_gemm(*a), [(s["a_q"], s["a_s"], s["b_q"], s["b_s"]) for s in sets])
-    lines.append(f"| fp8_gemm {name} | {m}x{k} . {n}x{k} | {ms_ * 1e3:.1f} | - |")
+    lines.append(f"| fp8_gemm {name} | {m}x{k} . {n}x{k} | - | - | {ms_ * 1e3:.1f} | - | - | - |")
     total_g += ms_
-  lines.append(f"| **layer forward: 4 quantizations / 4 GEMMs** | M={m} | {total_q * 1e3:.1f} / {total_g * 1e3:.1f} "
-               f"= {total_q / total_g:.1%} | - |")
+  lines.append(f"| **layer forward: 4 quantizations / 4 GEMMs** | M={m} | {total['xla'] * 1e3:.1f} / "
+               f"{total_g * 1e3:.1f} = {total['xla'] / total_g:.1%} | - | {total['kernel'] * 1e3:.1f} / "
+               f"{total_g * 1e3:.1f} = {total['kernel'] / total_g:.1%} | - | - | - |")
   table_s = "\n".join(lines)
   with open(os.path.join(out_dir, "bench_quant.md"), "w") as f:
     f.write(table_s + "\n")
-  print("\nActivation quantization vs GEMMs (CUPTI kernel time, median of 5)\n" + table_s)
-  return 0
+  print("\nActivation quantization: XLA vs Pallas kernel, and vs the GEMMs (CUPTI kernel time, median of 5)\n"
+        + table_s)
+  return 1 if bad else 0
 
 
 def fmt(x, f="{:.0f}"):
@@ -355,6 +367,24 @@ def smoke() -> int:
   return 0 if ok else 1
 
 
+def ncu_target(name: str, m: int = 8192) -> int:
+  """A short program for Nsight Compute: our kernel and cuBLAS blockwise on one shape, 3 launches each, after a
+  warm-up. Profile with scripts/ncu_gemm.sh (it filters the kernels by name)."""
+  import torch  # noqa: PLC0415
+  k, n = SHAPES[name]
+  s = make_sets(m, n, k, 1)[0]
+  q = (s["a_q"], s["a_s"], s["b_q"], s["b_s"])
+  f = jax.jit(lambda *a: mgpu.fp8_gemm(*a))
+  log("ncu target", name, m, "config", mgpu.choose_config(m, n, k))
+  for _ in range(3):
+    jax.block_until_ready(f(*q))
+  call = cublas_block_call(*(to_torch(t) for t in q), row_scales=False, out_dtype=jnp.bfloat16)
+  for _ in range(3):
+    call()
+  torch.cuda.synchronize()
+  return 0
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--smoke", action="store_true")
@@ -365,9 +395,12 @@ def main():
   p.add_argument("--no-wgrad", action="store_true")
   p.add_argument("--variants", action="store_true", help="time schedule variants side by side (and check bits)")
   p.add_argument("--quant", action="store_true", help="activation-quantization cost vs the layer's GEMMs")
+  p.add_argument("--ncu-target", default=None, help="run one M=8192 shape's kernels for ncu (scripts/ncu_gemm.sh)")
   args = p.parse_args()
   if args.smoke:
     return smoke()
+  if args.ncu_target:
+    return ncu_target(args.ncu_target)
   if args.quant:
     return quant_cost(int(args.ms.split(",")[0]), args.out)
   if args.variants:
