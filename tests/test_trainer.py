@@ -65,15 +65,21 @@ def test_kl_beta_zero_skips_reference_forward(tmp_path):
   assert tr2.ref_params is not None and "kl" in m and float(m["kl"]) >= 0
 
 
-def _run(workdir, steps, **over):
+def _run(workdir, steps, trainer_out=None, **over):
   c = small_config(**over)
   c.train.steps = steps
   tr = trainer_lib.RLTrainer(c, str(workdir))
+  if trainer_out is not None:
+    trainer_out.append(tr)
   return tr.run(progress=False)
 
 
 def test_resume_gives_the_same_metrics(tmp_path):
-  full = _run(tmp_path / "a", 3)
+  trainers = []
+  full = _run(tmp_path / "a", 3, trainers)
+  # Each train step compiled once for the whole run (2 SFT steps, 3 GRPO steps): the state keeps its shardings.
+  assert trainers[0]._sft_step._cache_size() == 1
+  assert trainers[0]._grpo_step._cache_size() == 1
   _run(tmp_path / "b", 2)
   resumed = _run(tmp_path / "b", 3)  # restores step 2 and runs step 3
   keys = ("reward_mean", "loss", "grad_norm", "token_mult_prob_error")

@@ -230,15 +230,33 @@ class RLTrainer:
 
   # -- setup --------------------------------------------------------------------------------------------------------
 
+  def _state_shardings(self, tx) -> TrainState:
+    """Shardings of a whole TrainState (params, optimizer state, step) under ``tx``, from shapes alone.
+
+    The state goes in and out of the train step with exactly these shardings (initial state placed with them, the
+    step's outputs pinned to them), so the second step does not recompile: left to itself, XLA picks output
+    shardings that differ from the inputs' (seen: row-parallel weights' moments, unplaced scalars), and a changed
+    input sharding is a new program — a second full compile of the 8B train step.
+    """
+    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), llama.param_shapes(self.cfg),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    state = TrainState(shapes, jax.eval_shape(tx.init, shapes), jax.ShapeDtypeStruct((), jnp.int32))
+    return sharding.tree_shardings(state, self.mesh)
+
   def _build_steps(self):
     kw = dict(tx=self.tx, cfg=self.cfg, lcfg=self.lcfg, recipe=self.recipe, gc=self.gc)
+    rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    self._state_sh = self._state_shardings(self.tx)
     self._grpo_step = fp8jax.jit(functools.partial(train_step, loss_fn=grpo_loss, microbatch=self.gc.microbatch,
-                                                   temperature=self.sp.temperature, **kw), donate_argnums=(0,))
+                                                   temperature=self.sp.temperature, **kw), donate_argnums=(0,),
+                                 out_shardings=(self._state_sh, rep))
     ws = self.c.warmstart
     self._sft_tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(ws.lr)) if ws.steps else None
     if self._sft_tx is not None:
+      self._sft_state_sh = self._state_shardings(self._sft_tx)
       self._sft_step = fp8jax.jit(functools.partial(
-          train_step, loss_fn=sft_loss, microbatch=ws.batch, **dict(kw, tx=self._sft_tx)), donate_argnums=(0,))
+          train_step, loss_fn=sft_loss, microbatch=ws.batch, **dict(kw, tx=self._sft_tx)), donate_argnums=(0,),
+          out_shardings=(self._sft_state_sh, rep))
     self._logprobs = fp8jax.jit(functools.partial(sequence_logprobs, cfg=self.cfg, lcfg=self.lcfg,
                                                   recipe=self.recipe, temperature=self.sp.temperature))
     self._prepare = fp8jax.jit(functools.partial(sampler_lib.prepare_params, recipe=self.recipe))
@@ -254,13 +272,12 @@ class RLTrainer:
     else:
       params = llama.init_params(self.cfg, seed=int(self.c.seed))
       params = jax.device_put(params, sharding.tree_shardings(params, self.mesh))
-    opt_state = self.tx.init(params)
-    return TrainState(params, opt_state, jnp.zeros((), jnp.int32))
+    return jax.device_put(TrainState(params, self.tx.init(params), jnp.zeros((), jnp.int32)), self._state_sh)
 
   def load_pretrained(self, params):
     """Starts from given master params (e.g. fp8jax.hf.load_params); resets the optimizer."""
     params = jax.device_put(params, sharding.tree_shardings(params, self.mesh))
-    self.state = TrainState(params, self.tx.init(params), jnp.zeros((), jnp.int32))
+    self.state = jax.device_put(TrainState(params, self.tx.init(params), jnp.zeros((), jnp.int32)), self._state_sh)
     self.warm_done = True
 
   # -- pieces -------------------------------------------------------------------------------------------------------
@@ -270,13 +287,15 @@ class RLTrainer:
     ws = self.c.warmstart
     if not ws.steps or self.warm_done:
       return {}
-    state = TrainState(self.state.params, self._sft_tx.init(self.state.params), jnp.zeros((), jnp.int32))
+    state = jax.device_put(TrainState(self.state.params, self._sft_tx.init(self.state.params),
+                                      jnp.zeros((), jnp.int32)), self._sft_state_sh)
     t0 = time.perf_counter()
     for i in range(ws.steps):
       sb = self.task.supervised_examples(ws.batch, step=i, seq_len=self.scfg.max_len)
       batch = {"tokens": sb.tokens_NxL, "mask": sb.loss_mask_NxL[:, 1:]}
       state, m = self._sft_step(state, sharding.shard_batch(batch, self.mesh))
-    self.state = TrainState(state.params, self.tx.init(state.params), self.state.step)
+    self.state = jax.device_put(TrainState(state.params, self.tx.init(state.params), self.state.step),
+                                self._state_sh)
     self.warm_done = True
     self.kv_scales = None  # recalibrate FP8 KV scales for the warm-started weights
     return {"warmstart_nll": float(m["nll"]), "warmstart_s": time.perf_counter() - t0}
