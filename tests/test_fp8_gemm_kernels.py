@@ -154,7 +154,7 @@ def _lower_cuda(fn, *args):
   return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("m", [1, 64, 256, 8192])
+@pytest.mark.parametrize("m", [1, 64, 256, 8192, 65536])  # decode ... 64k-token batches
 def test_mgpu_lowers_for_cuda_llama_shapes(m):
   for k, n in LLAMA_8B_SHAPES.values():
     f = functools.partial(mgpu.fp8_gemm, out_dtype=jnp.bfloat16, num_sms=132)

@@ -91,7 +91,7 @@ def test_bad_shapes_say_what_is_wrong():
 
 
 @pytest.mark.parametrize("fn", [fp8_quant.quantize_act, fp8_quant.quantize_act_t], ids=lambda f: f.__name__)
-@pytest.mark.parametrize("m,k", [(1, 4096), (8192, 14336), (200, 4096)])
+@pytest.mark.parametrize("m,k", [(1, 4096), (8192, 14336), (200, 4096), (65536, 14336)])
 def test_lowers_for_cuda(fn, m, k):
   dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
   mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=dev)
