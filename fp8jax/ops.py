@@ -40,10 +40,14 @@ class LinearConfig:
   pow2_scales: bool = False
   backend: str = "auto"
   out_dtype: str = "bfloat16"
+  # The device mesh the caller's arrays live on (the trainer sets it). With the "pallas" backend on more than one
+  # device, the kernels then run per device on their rows (``_per_device``) instead of on gathered operands.
+  mesh: jax.sharding.Mesh | None = None
 
   @classmethod
-  def from_recipe(cls, recipe: quant.Recipe, out_dtype: str = "bfloat16") -> "LinearConfig":
-    return cls(pow2_scales=recipe.pow2_scales, backend=recipe.gemm_backend, out_dtype=out_dtype)
+  def from_recipe(cls, recipe: quant.Recipe, out_dtype: str = "bfloat16",
+                  mesh: jax.sharding.Mesh | None = None) -> "LinearConfig":
+    return cls(pow2_scales=recipe.pow2_scales, backend=recipe.gemm_backend, out_dtype=out_dtype, mesh=mesh)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -124,28 +128,81 @@ def quantize_act_t(x_MxK, pow2: bool = False, backend: str = "auto"):
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# Per-device execution of the kernels on a mesh
+# ------------------------------------------------------------------------------------------------------------------
+
+# Mesh axes that shard the token rows of activations (fp8jax.sharding shards batches over these).
+ROW_AXES = ("data", "fsdp")
+
+
+def _per_device(cfg: LinearConfig, m: int):
+  """``(mesh, row_axes)`` when the GEMMs of an (m, .) activation must run per device, else None.
+
+  Pallas kernels are opaque custom calls to XLA's SPMD partitioner: inside a sharded ``jit`` their operands are
+  gathered and every device computes the whole product. So with the "pallas" backend on a multi-device mesh, the
+  forward and dgrad GEMMs run under ``shard_map`` on each device's rows (the FP8 weight is gathered, as FSDP does
+  anyway): bitwise the single-device rows, since rows are independent and the kernels are batch invariant. The
+  wgrad GEMM contracts over tokens, so each device computes its tokens' partial dW and the partials are summed
+  (``psum``) over the row axes, like any data-parallel gradient. Not used when the rows do not divide over the row
+  axes (e.g. a single decode row), or for the "xla" backend (XLA partitions its own ops). Tensor parallelism of the
+  FP8 GEMMs is not implemented: over a ``tensor`` axis the weights are gathered and the work repeated.
+  """
+  mesh = cfg.mesh
+  if mesh is None or mesh.size == 1 or resolve_backend(cfg.backend) != "pallas":
+    return None
+  axes = tuple(a for a in ROW_AXES if mesh.shape.get(a, 1) > 1)
+  n = 1
+  for a in axes:
+    n *= mesh.shape[a]
+  if not axes or m % n:
+    return None
+  return mesh, axes
+
+
+def _rowwise(fn, cfg: LinearConfig, m: int, n_replicated: int):
+  """``fn(rows, *replicated)`` per device on its rows (see ``_per_device``), or as is."""
+  spec = _per_device(cfg, m)
+  if spec is None:
+    return fn
+  mesh, axes = spec
+  rows, rep = jax.sharding.PartitionSpec(axes, None), jax.sharding.PartitionSpec()
+  return jax.shard_map(fn, mesh=mesh, in_specs=(rows,) + (rep,) * n_replicated, out_specs=rows, check_vma=False)
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # The linear op
 # ------------------------------------------------------------------------------------------------------------------
 
 
 def _forward_q(x_MxK, qw: quant.QWeight, cfg: LinearConfig):
-  xq, xs = quantize_act(quant.pad_k(x_MxK), cfg.pow2_scales, cfg.backend)
-  return fp8_gemm(xq, xs, quant.pad_k(qw.q, -1), qw.scale, jnp.dtype(cfg.out_dtype), cfg.backend)
+  def local(x, q, scale):
+    xq, xs = quantize_act(quant.pad_k(x), cfg.pow2_scales, cfg.backend)
+    return fp8_gemm(xq, xs, quant.pad_k(q, -1), scale, jnp.dtype(cfg.out_dtype), cfg.backend)
+  return _rowwise(local, cfg, x_MxK.shape[0], 2)(x_MxK, qw.q, qw.scale)
 
 
 def _dgrad(dy_MxN, qw: quant.QWeight, k: int, dtype, cfg: LinearConfig):
   """dx = Q(dy)[1x128 over N] . Q(w)^T: B is w^T stored (K, N), i.e. K-major over N."""
-  dyq, dys = quantize_act(quant.pad_k(dy_MxN), cfg.pow2_scales, cfg.backend)
-  wt_KxN = quant.pad_k(quant.pad_k(qw.q.T, -1), 0)  # transposing 128x128 tiles keeps them 128x128 tiles
-  dx = fp8_gemm(dyq, dys, wt_KxN, qw.scale.T, jnp.dtype(dtype), cfg.backend)
-  return dx[:, :k]
+  def local(dy, q, scale):
+    dyq, dys = quantize_act(quant.pad_k(dy), cfg.pow2_scales, cfg.backend)
+    wt_KxN = quant.pad_k(quant.pad_k(q.T, -1), 0)  # transposing 128x128 tiles keeps them 128x128 tiles
+    return fp8_gemm(dyq, dys, wt_KxN, scale.T, jnp.dtype(dtype), cfg.backend)[:, :k]
+  return _rowwise(local, cfg, dy_MxN.shape[0], 2)(dy_MxN, qw.q, qw.scale)
 
 
 def _wgrad(dy_MxN, x_MxK, cfg: LinearConfig):
   """dw = Q(dy^T)[1x128 over tokens] . Q(x^T)[1x128 over tokens] -> (N, K) in FP32."""
-  aq, as_ = quantize_act_t(dy_MxN, cfg.pow2_scales, cfg.backend)
-  bq, bs = quantize_act_t(x_MxK, cfg.pow2_scales, cfg.backend)
-  return fp8_gemm(aq, as_, bq, bs, jnp.float32, cfg.backend)
+  def local(dy, x):
+    aq, as_ = quantize_act_t(dy, cfg.pow2_scales, cfg.backend)
+    bq, bs = quantize_act_t(x, cfg.pow2_scales, cfg.backend)
+    return fp8_gemm(aq, as_, bq, bs, jnp.float32, cfg.backend)
+  spec = _per_device(cfg, dy_MxN.shape[0])
+  if spec is None:
+    return local(dy_MxN, x_MxK)
+  mesh, axes = spec
+  rows = jax.sharding.PartitionSpec(axes, None)
+  return jax.shard_map(lambda dy, x: jax.lax.psum(local(dy, x), axes), mesh=mesh, in_specs=(rows, rows),
+                       out_specs=jax.sharding.PartitionSpec(), check_vma=False)(dy_MxN, x_MxK)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

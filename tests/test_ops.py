@@ -2,6 +2,11 @@
 
 import fp8jax
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +14,8 @@ import pytest
 
 from fp8jax import ops, quant
 from pallas_kernels import fp8_gemm
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def rand(key, shape, scale=1.0, dtype=jnp.float32):
@@ -134,3 +141,77 @@ def test_shape_errors_name_shapes():
   with pytest.raises(ValueError, match="multiple of 128"):
     fp8_gemm.fp8_gemm_reference(jnp.ones((2, 100), jnp.float8_e4m3fn), jnp.ones((2, 1)),
                                 jnp.ones((128, 100), jnp.float8_e4m3fn), jnp.ones((1, 1)))
+
+
+PER_DEVICE_SCRIPT = r"""
+import os, sys, json, functools
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+sys.path.insert(0, {repo!r})
+import fp8jax, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from fp8jax import ops, quant
+from pallas_kernels import fp8_gemm_triton, fp8_quant
+
+# The "pallas" path on CPU: the Triton GEMM and the quantization kernels in interpret mode stand in for the Hopper
+# kernels (the per-device logic under test does not depend on which kernel runs).
+ops.resolve_backend = lambda requested: "pallas"
+ops._pallas_gemm = lambda: functools.partial(fp8_gemm_triton.fp8_gemm, interpret=True)
+class Q:
+  quantize_act = functools.partial(fp8_quant.quantize_act, interpret=True)
+  quantize_act_t = functools.partial(fp8_quant.quantize_act_t, interpret=True)
+ops._pallas_quant = lambda: Q
+
+mesh = Mesh(np.asarray(jax.devices()).reshape(2, 2, 1), ("data", "fsdp", "tensor"))
+x = jax.random.normal(jax.random.key(0), (512, 256), jnp.float32).astype(jnp.bfloat16)  # 128 tokens per device
+w = jax.random.normal(jax.random.key(1), (384, 256), jnp.float32) * 0.05
+g = jax.random.normal(jax.random.key(2), (512, 384), jnp.float32)
+
+def run(cfg, x, w):
+  f = lambda x, w: jnp.sum(ops.linear(x, quant.FP8Weight(w), cfg).astype(jnp.float32) * g)
+  y = jax.jit(lambda x, w: ops.linear(x, quant.FP8Weight(w), cfg))(x, w)
+  dx, dw = jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)
+  yq = jax.jit(lambda x: ops.linear(x, quant.quantize_weight(w), cfg))(x)
+  return [np.asarray(a, np.float32) for a in (y, dx, dw, yq)], str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w))
+
+one, _ = run(ops.LinearConfig(backend="pallas"), x, w)
+xs = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), None)))
+ws = jax.device_put(w, NamedSharding(mesh, P(None, "fsdp")))
+four, jaxpr = run(ops.LinearConfig(backend="pallas", mesh=mesh), xs, ws)
+out = dict(y=bool((one[0] == four[0]).all()), dx=bool((one[1] == four[1]).all()), yq=bool((one[3] == four[3]).all()),
+           dw_rel=float(np.abs(one[2] - four[2]).max() / np.abs(one[2]).max()), dw_same=bool((one[2] == four[2]).all()),
+           shard_maps=jaxpr.count("shard_map"), psum=("psum" in jaxpr))
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_pallas_path_runs_per_device_on_a_mesh(tmp_path):
+  """On a 4-device mesh (rows over data x fsdp) the pallas path runs under shard_map: forward and dgrad rows are
+  bitwise the single-device ones; wgrad sums per-device partial dW (psum), equal up to FP32 summation order."""
+  script = PER_DEVICE_SCRIPT.format(repo=REPO)
+  res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+  assert res.returncode == 0, res.stderr[-3000:]
+  out = json.loads(res.stdout.split("RESULT")[-1])
+  assert out["y"] and out["dx"] and out["yq"], out
+  assert out["shard_maps"] >= 3 and out["psum"], out  # forward, dgrad, wgrad each per device
+  assert out["dw_rel"] <= 1e-5, out
+
+
+class _StubMesh:
+  """Stands in for a jax Mesh in ``_per_device`` (which reads only ``size`` and ``shape``)."""
+
+  def __init__(self, **shape):
+    self.shape = shape
+    self.size = int(np.prod(list(shape.values())))
+
+
+def test_per_device_only_for_pallas_rows_that_divide(monkeypatch):
+  rows4 = _StubMesh(data=2, fsdp=2, tensor=1)
+  monkeypatch.setattr(ops, "resolve_backend", lambda requested: requested)
+  assert ops._per_device(ops.LinearConfig(backend="pallas", mesh=rows4), 512) == (rows4, ("data", "fsdp"))
+  assert ops._per_device(ops.LinearConfig(backend="pallas", mesh=rows4), 130) is None  # 130 rows over 4 devices
+  assert ops._per_device(ops.LinearConfig(backend="xla", mesh=rows4), 512) is None  # XLA partitions its own ops
+  assert ops._per_device(ops.LinearConfig(backend="pallas"), 512) is None  # no mesh
+  assert ops._per_device(ops.LinearConfig(backend="pallas", mesh=_StubMesh(data=1, fsdp=1, tensor=1)), 512) is None
+  assert ops._per_device(ops.LinearConfig(backend="pallas", mesh=_StubMesh(data=1, fsdp=1, tensor=4)), 512) is None
+  fsdp8 = _StubMesh(data=1, fsdp=8, tensor=1)
+  assert ops._per_device(ops.LinearConfig(backend="pallas", mesh=fsdp8), 1024) == (fsdp8, ("fsdp",))

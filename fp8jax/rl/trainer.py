@@ -207,7 +207,6 @@ class RLTrainer:
     self.recipe = quant.Recipe.from_config(config.fp8)
     self.gc = dataclass_from_group(GRPOConfig, config.grpo, "grpo")
     self.oc = dataclass_from_group(OptimConfig, config.optim, "optim")
-    self.lcfg = ops.LinearConfig.from_recipe(self.recipe)
     r = config.rollout
     self.scfg = sampler_lib.SamplerConfig(slots=r.slots, max_len=r.max_len, prompt_buckets=tuple(r.prompt_buckets),
                                           kv_cache=self.recipe.kv_cache, decode_chunk=r.decode_chunk)
@@ -218,6 +217,7 @@ class RLTrainer:
     if self.recipe.mode == "fp8" and self.cfg.fp8_shape_problems():
       log.warning("FP8 GEMMs will zero-pad: %s", ", ".join(self.cfg.fp8_shape_problems()))
     self.mesh = sharding.make_mesh(config.mesh, devices)
+    self.lcfg = ops.LinearConfig.from_recipe(self.recipe, mesh=self.mesh)
     self.sampler = sampler_lib.Sampler(self.cfg, self.scfg, self.lcfg)
     self.total_steps = int(config.train.steps)
     self.tx, self.lr_sched = make_optimizer(self.oc, self.total_steps)
