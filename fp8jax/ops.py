@@ -23,11 +23,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
 
-from fp8jax import quant
+from fp8jax import quant, sharding
 from pallas_kernels import fp8_gemm as fp8_gemm_ref
 
 log = logging.getLogger(__name__)
@@ -131,10 +132,6 @@ def quantize_act_t(x_MxK, pow2: bool = False, backend: str = "auto"):
 # Per-device execution of the kernels on a mesh
 # ------------------------------------------------------------------------------------------------------------------
 
-# Mesh axes that shard the token rows of activations (fp8jax.sharding shards batches over these).
-ROW_AXES = ("data", "fsdp")
-
-
 def _per_device(cfg: LinearConfig, m: int):
   """``(mesh, row_axes)`` when the GEMMs of an (m, .) activation must run per device, else None.
 
@@ -150,23 +147,27 @@ def _per_device(cfg: LinearConfig, m: int):
   mesh = cfg.mesh
   if mesh is None or mesh.size == 1 or resolve_backend(cfg.backend) != "pallas":
     return None
-  axes = tuple(a for a in ROW_AXES if mesh.shape.get(a, 1) > 1)
-  n = 1
-  for a in axes:
-    n *= mesh.shape[a]
-  if not axes or m % n:
+  axes = tuple(a for a in sharding.BATCH_AXES if mesh.shape.get(a, 1) > 1)
+  if not axes or m % math.prod(mesh.shape[a] for a in axes):
     return None
   return mesh, axes
 
 
-def _rowwise(fn, cfg: LinearConfig, m: int, n_replicated: int):
-  """``fn(rows, *replicated)`` per device on its rows (see ``_per_device``), or as is."""
+def _rowwise(fn, cfg: LinearConfig, m: int, n_rows: int = 1, n_replicated: int = 0, sum_rows: bool = False):
+  """``fn(*rows, *replicated)`` per device on its rows (see ``_per_device``), or ``fn`` as is.
+
+  The first ``n_rows`` arguments are (m, .) row-sharded, the next ``n_replicated`` are gathered. The output is
+  row-sharded like the inputs, or, with ``sum_rows`` (a contraction over the rows), summed over the row axes.
+  """
   spec = _per_device(cfg, m)
   if spec is None:
     return fn
   mesh, axes = spec
-  rows, rep = jax.sharding.PartitionSpec(axes, None), jax.sharding.PartitionSpec()
-  return jax.shard_map(fn, mesh=mesh, in_specs=(rows,) + (rep,) * n_replicated, out_specs=rows, check_vma=False)
+  P = jax.sharding.PartitionSpec
+  rows = P(axes, None)
+  body = (lambda *a: jax.lax.psum(fn(*a), axes)) if sum_rows else fn
+  return jax.shard_map(body, mesh=mesh, in_specs=(rows,) * n_rows + (P(),) * n_replicated,
+                       out_specs=P() if sum_rows else rows, check_vma=False)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ def _forward_q(x_MxK, qw: quant.QWeight, cfg: LinearConfig):
   def local(x, q, scale):
     xq, xs = quantize_act(quant.pad_k(x), cfg.pow2_scales, cfg.backend)
     return fp8_gemm(xq, xs, quant.pad_k(q, -1), scale, jnp.dtype(cfg.out_dtype), cfg.backend)
-  return _rowwise(local, cfg, x_MxK.shape[0], 2)(x_MxK, qw.q, qw.scale)
+  return _rowwise(local, cfg, x_MxK.shape[0], n_replicated=2)(x_MxK, qw.q, qw.scale)
 
 
 def _dgrad(dy_MxN, qw: quant.QWeight, k: int, dtype, cfg: LinearConfig):
@@ -187,7 +188,7 @@ def _dgrad(dy_MxN, qw: quant.QWeight, k: int, dtype, cfg: LinearConfig):
     dyq, dys = quantize_act(quant.pad_k(dy), cfg.pow2_scales, cfg.backend)
     wt_KxN = quant.pad_k(quant.pad_k(q.T, -1), 0)  # transposing 128x128 tiles keeps them 128x128 tiles
     return fp8_gemm(dyq, dys, wt_KxN, scale.T, jnp.dtype(dtype), cfg.backend)[:, :k]
-  return _rowwise(local, cfg, dy_MxN.shape[0], 2)(dy_MxN, qw.q, qw.scale)
+  return _rowwise(local, cfg, dy_MxN.shape[0], n_replicated=2)(dy_MxN, qw.q, qw.scale)
 
 
 def _wgrad(dy_MxN, x_MxK, cfg: LinearConfig):
@@ -196,13 +197,7 @@ def _wgrad(dy_MxN, x_MxK, cfg: LinearConfig):
     aq, as_ = quantize_act_t(dy, cfg.pow2_scales, cfg.backend)
     bq, bs = quantize_act_t(x, cfg.pow2_scales, cfg.backend)
     return fp8_gemm(aq, as_, bq, bs, jnp.float32, cfg.backend)
-  spec = _per_device(cfg, dy_MxN.shape[0])
-  if spec is None:
-    return local(dy_MxN, x_MxK)
-  mesh, axes = spec
-  rows = jax.sharding.PartitionSpec(axes, None)
-  return jax.shard_map(lambda dy, x: jax.lax.psum(local(dy, x), axes), mesh=mesh, in_specs=(rows, rows),
-                       out_specs=jax.sharding.PartitionSpec(), check_vma=False)(dy_MxN, x_MxK)
+  return _rowwise(local, cfg, dy_MxN.shape[0], n_rows=2, sum_rows=True)(dy_MxN, x_MxK)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

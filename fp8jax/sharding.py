@@ -14,12 +14,15 @@ Batches are sharded over (data, fsdp) on their first dimension.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the axes that shard a batch's first (token / sequence) dimension
 _RULES = {
     "wq": ("tensor", "fsdp"), "wk": ("tensor", "fsdp"), "wv": ("tensor", "fsdp"), "w_gate": ("tensor", "fsdp"),
     "w_up": ("tensor", "fsdp"), "wo": ("fsdp", "tensor"), "w_down": ("fsdp", "tensor"),
@@ -71,12 +74,12 @@ def tree_shardings(tree, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-  return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
 def shard_batch(batch: dict, mesh: Mesh) -> dict:
   """Places a dict of host arrays, first dim over (data, fsdp); the first dim must divide by that size."""
-  n = mesh.shape["data"] * mesh.shape["fsdp"]
+  n = math.prod(mesh.shape[a] for a in BATCH_AXES)
   out = {}
   for k, v in batch.items():
     if v.shape[0] % n:

@@ -238,10 +238,14 @@ class RLTrainer:
     shardings that differ from the inputs' (seen: row-parallel weights' moments, unplaced scalars), and a changed
     input sharding is a new program — a second full compile of the 8B train step.
     """
-    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), llama.param_shapes(self.cfg),
-                          is_leaf=lambda x: isinstance(x, tuple))
+    shapes = self._param_shapes()
     state = TrainState(shapes, jax.eval_shape(tx.init, shapes), jax.ShapeDtypeStruct((), jnp.int32))
     return sharding.tree_shardings(state, self.mesh)
+
+  def _param_shapes(self):
+    """FP32 master params as ShapeDtypeStructs."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), llama.param_shapes(self.cfg),
+                        is_leaf=lambda x: isinstance(x, tuple))
 
   def _build_steps(self):
     kw = dict(tx=self.tx, cfg=self.cfg, lcfg=self.lcfg, recipe=self.recipe, gc=self.gc)
@@ -265,8 +269,7 @@ class RLTrainer:
     if self.c.checkpoint.hf_dir:
       from fp8jax import hf  # noqa: PLC0415
 
-      shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), llama.param_shapes(self.cfg),
-                            is_leaf=lambda x: isinstance(x, tuple))
+      shapes = self._param_shapes()
       params = hf.load_params(self.c.checkpoint.hf_dir, self.cfg, shardings=sharding.tree_shardings(shapes, self.mesh))
       self.warm_done = True
     else:
