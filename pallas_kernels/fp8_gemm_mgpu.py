@@ -69,6 +69,14 @@ class TuningConfig:
   cross_tile: run one pipeline across all output tiles of a CTA (``PipelinePipeline.START/STEADY/STOP``), so the
     producer loads the next tile's first blocks while this tile finishes and writes its epilogue. Used when every CTA
     has >= 2 tiles and the ring depth divides the K steps (the wrapper adjusts the depth, or drops it).
+  overlap: (k_blocks=2 only) software-pipeline the promotions across steps: block 1 of a step stays in flight
+    while the next step's block 0 is issued, and is promoted then, so a warpgroup has a wgmma on the tensor cores
+    while it promotes. Its ring slot is released one step late (manual consumed barriers). Same promotion order,
+    same bits.
+  direct_store: write the epilogue from registers straight to GMEM instead of through SMEM + TMA; frees the
+    epilogue's SMEM for a deeper ring.
+  cluster_n: run CTAs in clusters of 2 that compute horizontally adjacent tiles (same A rows) and load each A
+    block once for both, multicast by TMA into both CTAs' SMEM (a quarter less L2 -> SM traffic).
   """
 
   split: str = "m"
@@ -79,6 +87,9 @@ class TuningConfig:
   k_blocks: int = 1
   cross_tile: bool = False
   num_wgs: int = 2
+  overlap: bool = False
+  direct_store: bool = False
+  cluster_n: bool = False
 
   def __post_init__(self):
     if self.split not in ("m", "n"):
@@ -95,6 +106,8 @@ class TuningConfig:
       raise ValueError(f"TuningConfig.k_blocks must be 1 or 2, got {self.k_blocks}")
     if self.num_wgs not in (2, 3) or (self.num_wgs == 3 and (self.split != "m" or self.k_blocks != 1)):
       raise ValueError(f"TuningConfig.num_wgs must be 2, or 3 with split='m' and k_blocks=1; got {self}")
+    if self.overlap and self.k_blocks != 2:
+      raise ValueError(f"TuningConfig.overlap needs k_blocks=2 (two wgmma accumulators); got {self}")
 
   @property
   def cta_m(self) -> int:
@@ -146,19 +159,22 @@ _SMEM_BUDGET = 220 * 1024  # of the 227 KiB an sm_90 CTA may use; the rest is le
 def _plan(cfg: TuningConfig, m: int, n: int, k: int, out_dtype, row_scales: bool, num_sms: int):
   """Resolves a config for one shape: k_blocks, ring depth (SMEM fit; divides the K steps for cross_tile), grid.
 
-  Returns (cfg as it will run, padded M, grid size).
+  Returns (cfg as it will run, padded M, grid size in clusters (CTAs without cluster_n)).
   """
   if (k // BLOCK) % cfg.k_blocks:
-    cfg = dataclasses.replace(cfg, k_blocks=1)
+    cfg = dataclasses.replace(cfg, k_blocks=1, overlap=False)
   kb = cfg.k_blocks
   bs_cols = cfg.cta_n if row_scales else _SCALE_REP * max(1, cfg.cta_n // BLOCK)
   stage = kb * ((cfg.cta_m + cfg.cta_n) * BLOCK + 4 * (cfg.cta_m + bs_cols))
-  out = cfg.num_wgs * WG_M * cfg.wg_n * jnp.dtype(out_dtype).itemsize
+  out = 0 if cfg.direct_store else cfg.num_wgs * WG_M * cfg.wg_n * jnp.dtype(out_dtype).itemsize
   k_steps = k // (BLOCK * kb)
   stages = max(2, min(cfg.max_concurrent_steps, (_SMEM_BUDGET - out) // stage, k_steps))
   mp = -(-m // cfg.cta_m) * cfg.cta_m
-  num_tiles = (mp // cfg.cta_m) * (n // cfg.cta_n)
-  grid = min(num_sms, num_tiles)
+  if cfg.cluster_n and (n // cfg.cta_n) % 2:
+    cfg = dataclasses.replace(cfg, cluster_n=False)
+  c = 2 if cfg.cluster_n else 1
+  num_tiles = (mp // cfg.cta_m) * (n // cfg.cta_n) // c  # in clusters
+  grid = min(num_sms // c, num_tiles)  # clusters
   cross = cfg.cross_tile and num_tiles >= 2 * grid
   if cross:
     while stages > 2 and k_steps % stages:
@@ -172,13 +188,16 @@ def _swizzled(shape_minor_bytes: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: TuningConfig, row_scales: bool):
-  """Refs: a (Mp, K) e4m3, b (N, K) e4m3, as (Kb, Mp) f32, bs (Kb, 32*Nb | N) f32, out (Mp, N)."""
+def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, *scratch, cfg: TuningConfig, row_scales: bool):
+  """Refs: a (Mp, K) e4m3, b (N, K) e4m3, as (Kb, Mp) f32, bs (Kb, 32*Nb | N) f32, out (Mp, N); scratch: the
+  epilogue's SMEM buffer (num_wgs, 64, wg_n), absent with direct_store."""
+  (out_smem,) = scratch or (None,)
   mp, k = a_gmem.shape
   n = b_gmem.shape[0]
   out_dtype = out_gmem.dtype
   cta_m, cta_n, wg_n, kb = cfg.cta_m, cfg.cta_n, cfg.wg_n, cfg.k_blocks
-  m_iters, n_iters, k_steps = mp // cta_m, n // cta_n, k // (BLOCK * kb)
+  c = 2 if cfg.cluster_n else 1
+  m_iters, n_iters, k_steps = mp // cta_m, n // (cta_n * c), k // (BLOCK * kb)
   fp8_transforms = _swizzled(BLOCK, 1)  # 128 B rows -> 128 B swizzle
   # Columns of bs a CTA needs: its own (row scales) or the replicated scale of each 128-wide block it touches.
   bs_cols = cta_n if row_scales else _SCALE_REP * max(1, cta_n // BLOCK)
@@ -190,7 +209,7 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
         memory_registers=40 if cfg.num_wgs == 2 else 32,  # 3 consumers: (512 - 32) / 3 -> 160 registers each
         in_specs=[
             plgpu.BlockSpec((cta_m, kb * BLOCK), lambda kk: (0, kk), transforms=fp8_transforms,
-                            memory_space=plgpu.SMEM),
+                            memory_space=plgpu.SMEM, collective_axes=("cluster",) if cfg.cluster_n else ()),
             plgpu.BlockSpec((cta_n, kb * BLOCK), lambda kk: (0, kk), transforms=fp8_transforms,
                             memory_space=plgpu.SMEM),
             plgpu.BlockSpec((kb, cta_m), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
@@ -201,6 +220,7 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
         max_concurrent_steps=cfg.max_concurrent_steps,
         compute_context=compute_context,
         pipeline_state=pipeline_state,
+        manual_consumed_barriers=cfg.overlap,
     )
 
   ignore = lambda *_, **__: None
@@ -221,6 +241,8 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
     def _tile_loop(info: plgpu.NDLoopInfo):
       (lin,) = info.index
       m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), minor, cfg.grid_tile_width)
+      if cfg.cluster_n:
+        n_idx = n_idx * 2 + lax.axis_index("cluster")
       m0 = m_idx * cta_m
       n0 = n_idx * cta_n
       if cfg.split == "m":
@@ -270,29 +292,76 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
         return plgpu.layout_cast(jnp.zeros((WG_M, wg_n), jnp.float32), plgpu.Layout.WGMMA)
 
       def epilogue(acc):
-        """(4) registers -> swizzled SMEM -> TMA store (overlaps the next tile's main loop)."""
+        """(4) registers -> swizzled SMEM -> TMA store (overlaps the next tile's main loop), or straight to GMEM."""
+        dst = out_gmem.at[pl.ds(m0 + wg_m_off, WG_M), pl.ds(n0 + wg_n_off, wg_n)]
+        if cfg.direct_store:
+          dst[...] = acc.astype(out_dtype)
+          return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         out_smem[wg] = acc.astype(out_dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            out_smem.at[wg], out_gmem.at[pl.ds(m0 + wg_m_off, WG_M), pl.ds(n0 + wg_n_off, wg_n)])
+        plgpu.copy_smem_to_gmem(out_smem.at[wg], dst)
 
-      def compute_context(eval_pipeline):
-        epilogue(eval_pipeline(zeros()))
+      if not cfg.overlap:
+        def compute_context(eval_pipeline):
+          epilogue(eval_pipeline(zeros()))
 
-      def mma_body(_, a_smem, b_smem, as_smem, bs_smem, acc):
-        def block_dots(*blk_refs):
-          for j, r in enumerate(blk_refs):
-            plgpu.wgmma(r, *operands(a_smem, b_smem, j))
-          out = acc
-          for j, r in enumerate(blk_refs):  # scale loads overlap the wgmmas in flight
-            s = scales(as_smem, bs_smem, j)
-            # Block j is promoted while blocks j+1.. still run on the tensor cores.
-            out = promote(out, plgpu.wgmma_accumulator_load(r, wait_n=kb - 1 - j), *s)
-          return out
+        def mma_body(_, a_smem, b_smem, as_smem, bs_smem, acc):
+          def block_dots(*blk_refs):
+            for j, r in enumerate(blk_refs):
+              plgpu.wgmma(r, *operands(a_smem, b_smem, j))
+            out = acc
+            for j, r in enumerate(blk_refs):  # scale loads overlap the wgmmas in flight
+              s = scales(as_smem, bs_smem, j)
+              # Block j is promoted while blocks j+1.. still run on the tensor cores.
+              out = promote(out, plgpu.wgmma_accumulator_load(r, wait_n=kb - 1 - j), *s)
+            return out
 
-        # A fresh (zeroed) FP8 wgmma accumulator per K block.
-        return pl.run_scoped(block_dots, *([plgpu.ACC((WG_M, wg_n), jnp.float32)] * kb))
+          # A fresh (zeroed) FP8 wgmma accumulator per K block.
+          return pl.run_scoped(block_dots, *([plgpu.ACC((WG_M, wg_n), jnp.float32)] * kb))
+      else:
+        # Software-pipelined promotion (cfg.overlap): two accumulators live across the whole K loop. In step kk,
+        # block 0 is issued into acc0 while block 1 of step kk-1 (acc1) is still in flight; then acc1 is awaited,
+        # its ring slot released and promoted, block 1 of step kk issued into acc1, and acc0 awaited and promoted.
+        # Block 1 of the last step is promoted after the loop. Blocks are promoted in K order, as above.
+        consumed = allocs["flat_consumed_barrier_refs"]
+        stages = cfg.max_concurrent_steps
+
+        def release(kk):
+          slot = lax.rem(kk, stages)
+          for bar in consumed:
+            plgpu.barrier_arrive(bar.at[slot])
+
+        def no_scales():
+          sa = plgpu.layout_cast(jnp.zeros((WG_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+          if row_scales:
+            return sa, plgpu.layout_cast(jnp.zeros((wg_n,), jnp.float32), plgpu.Layout.WGMMA.reduce(0))
+          return sa, jnp.zeros((), jnp.float32)
+
+        def mma_body(idx, a_smem, b_smem, as_smem, bs_smem, *bars_and_carry):
+          (kk,) = idx
+          # carry: the two accumulators, the running sum, the scales of the block in acc1
+          acc0, acc1, out, sa1, sb1 = bars_and_carry[-1]
+          plgpu.wgmma(acc0, *operands(a_smem, b_smem, 0))
+          prev = plgpu.wgmma_accumulator_load(acc1, wait_n=1)  # block 1 of step kk-1 (zeros at kk = 0)
+          pl.when(kk > 0)(lambda: release(kk - 1))
+          out = promote(out, prev, sa1, sb1)  # at kk = 0: out + 0 * 0, bitwise out (out = +0 there)
+          acc1[...] = zeros()
+          plgpu.wgmma(acc1, *operands(a_smem, b_smem, 1))
+          s0 = scales(as_smem, bs_smem, 0)
+          s1 = scales(as_smem, bs_smem, 1)
+          out = promote(out, plgpu.wgmma_accumulator_load(acc0, wait_n=1), *s0)
+          acc0[...] = zeros()
+          return acc0, acc1, out, *s1
+
+        def compute_context(eval_pipeline):
+          def scope(acc0, acc1):
+            _, _, out, sa1, sb1 = eval_pipeline((acc0, acc1, zeros(), *no_scales()))
+            out = promote(out, plgpu.wgmma_accumulator_load(acc1, wait_n=0), sa1, sb1)
+            release(k_steps - 1)
+            epilogue(out)
+
+          pl.run_scoped(scope, plgpu.ACC((WG_M, wg_n), jnp.float32), plgpu.ACC((WG_M, wg_n), jnp.float32))
 
       get_pipeline(mma_body, compute_context, pipeline_state)(
           a_gmem.at[pl.ds(m0, cta_m)],
@@ -335,7 +404,9 @@ def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig
     # producer never arrives) and now and then with 3 consumer warpgroups (about every other run of a 200x256x256
     # case on 2 CPU cores). The H200 runs both bitwise equal to the 2-warpgroup, per-tile pipeline (GPU tests), so
     # the interpreter runs that: the same bits.
-    cfg = dataclasses.replace(cfg, cross_tile=False)
+    # Its wgmma accumulators cannot be stored to, which the software-pipelined promotion needs to re-zero them
+    # (cfg.overlap; the same promotion order, bitwise equal on the H200 too).
+    cfg = dataclasses.replace(cfg, cross_tile=False, overlap=False)
     if cfg.num_wgs == 3:
       cfg = dataclasses.replace(cfg, num_wgs=2)
   cfg, mp, grid = _plan(cfg, m, n, k, out_dtype, row_scales, num_sms)
@@ -352,9 +423,10 @@ def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig
   kernel = plgpu.kernel(
       functools.partial(_kernel, cfg=cfg, row_scales=row_scales),
       out_type=jax.ShapeDtypeStruct((mp, n), out_dtype),
-      scratch_types=[out_smem_type],
+      scratch_types=[] if cfg.direct_store else [out_smem_type],
       grid=(grid,),
       grid_names=("sm",),
+      **(dict(cluster=(2,), cluster_names=("cluster",)) if cfg.cluster_n else {}),
       num_threads=cfg.num_wgs + 1,
       thread_name="wg",
       kernel_name="fp8jax_fp8_gemm",  # what profilers (ncu, CUPTI) show

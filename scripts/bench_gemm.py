@@ -20,6 +20,7 @@ so decode-sized B matrices are read from HBM, not L2. Two wgrad rows (1x128 x 1x
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -217,8 +218,12 @@ def variant_configs(m, n, k):
   T = mgpu.TuningConfig
   first = mgpu.choose_config(m, n, k)
   if m >= 1024:
-    cands = [T("m", 128, 4), T("m", 128, 2, k_blocks=2, cross_tile=True), T("m", 128, 4, num_wgs=3),
-             T("m", 128, 4, cross_tile=True, num_wgs=3)]
+    kb2 = functools.partial(T, "m", 128, k_blocks=2)
+    cands = [kb2(2, cross_tile=True), kb2(2, cross_tile=True, overlap=True),
+             kb2(2, cross_tile=True, cluster_n=True), kb2(2, cross_tile=True, overlap=True, cluster_n=True),
+             kb2(3, overlap=True, direct_store=True), kb2(3, overlap=True, direct_store=True, cluster_n=True),
+             T("m", 128, 6, direct_store=True),
+             T("m", 128, 4, cross_tile=True, num_wgs=3), T("m", 128, 4, cross_tile=True, num_wgs=3, cluster_n=True)]
   else:
     cands = [T(s, w, st, k_blocks=2, cross_tile=True) for s, w, st in
              (("m", 128, 2), ("n", 64, 4), ("n", 32, 4), ("n", 16, 4))] + [T("n", 16, 8)]
@@ -227,7 +232,11 @@ def variant_configs(m, n, k):
 
 def variants(ms, shapes, out_dir) -> int:
   """Times schedule variants of the Mosaic kernel per shape; checks each bitwise against the first variant."""
-  lines = ["| M | shape | config | TFLOP/s | vs first | bitwise = first | err |", "|---|---|---|---|---|---|---|"]
+  import torch  # noqa: PLC0415
+  log("device:", jax.devices()[0].device_kind, "| jax", jax.__version__, "| torch", torch.__version__,
+      "| date", time.strftime("%Y-%m-%d %H:%M:%S"))
+  lines = ["| M | shape | config | TFLOP/s | vs first | vs cuBLAS blockwise | bitwise = first | err |",
+           "|---|---|---|---|---|---|---|---|"]
   bad = 0
   for m in ms:
     for name in shapes:
@@ -235,6 +244,11 @@ def variants(ms, shapes, out_dir) -> int:
       sets = make_sets(m, n, k, 3 if m >= 1024 else 6)
       q = [(s["a_q"], s["a_s"], s["b_q"], s["b_s"]) for s in sets]
       ref = fp8_gemm_reference(*q[0], out_dtype=jnp.float32)
+      calls = [cublas_block_call(*(to_torch(t) for t in s), row_scales=False, out_dtype=jnp.bfloat16) for s in q]
+      cub = 2.0 * m * n * k / (torch_time_ms(calls)[0] * 1e-3) / 1e12
+      del calls
+      lines.append(f"| {m} | {name} | cuBLAS blockwise | {cub:.0f} | | 1.000 | | |")
+      log(f"variant M={m} {name} cuBLAS blockwise {cub:.0f} TFLOP/s")
       first = base = None
       for c in variant_configs(m, n, k):
         if n % c.cta_n:
@@ -252,10 +266,13 @@ def variants(ms, shapes, out_dir) -> int:
         same = bool((out == first).all())
         bad += not same
         err = rel_err(out, ref)
-        log(f"  {tfl:.0f} TFLOP/s, x{tfl / base:.3f}, bitwise={same}, err={err:.1e}")
+        log(f"  {tfl:.0f} TFLOP/s, x{tfl / base:.3f}, x{tfl / cub:.3f} cuBLAS, bitwise={same}, err={err:.1e}")
+        c = mgpu._plan(c, m, n, k, jnp.bfloat16, False, mgpu._num_sms())[0]  # as it ran  # noqa: SLF001
+        flags = [f for f in ("cross_tile", "overlap", "direct_store", "cluster_n") if getattr(c, f)]
         short = (f"{c.split}/{c.wg_n} st{c.max_concurrent_steps} kb{c.k_blocks} wg{c.num_wgs}"
-                 f"{' cross' if c.cross_tile else ''} {c.grid_minor_dim}{c.grid_tile_width}")
-        lines.append(f"| {m} | {name} | {short} | {tfl:.0f} | {tfl / base:.3f} | {same} | {err:.1e} |")
+                 f" {' '.join(flags)} {c.grid_minor_dim}{c.grid_tile_width}")
+        lines.append(f"| {m} | {name} | {short} | {tfl:.0f} | {tfl / base:.3f} | {tfl / cub:.3f} | {same} "
+                     f"| {err:.1e} |")
       del sets, q
   table_s = "\n".join(lines)
   with open(os.path.join(out_dir, "bench_gemm_variants.md"), "w") as f:

@@ -66,6 +66,11 @@ MGPU_CASES = [  # (m, n, k, row_scales, config or None, out_dtype)
     (64, 512, 256, False, mgpu.TuningConfig(split="n", wg_n=128, max_concurrent_steps=3), jnp.bfloat16),
     (130, 256, 512, False, mgpu.TuningConfig(split="m", wg_n=64, max_concurrent_steps=2, k_blocks=2), jnp.float32),
     (70, 256, 512, True, mgpu.TuningConfig(split="n", wg_n=32, max_concurrent_steps=2, k_blocks=2), jnp.float32),
+    # 2-CTA clusters sharing A by TMA multicast (the interpreter emulates the cluster and the multicast)
+    (130, 512, 256, False, mgpu.TuningConfig(split="m", wg_n=64, max_concurrent_steps=2, cluster_n=True),
+     jnp.float32),
+    (70, 512, 512, True, mgpu.TuningConfig(split="n", wg_n=32, max_concurrent_steps=2, k_blocks=2, cluster_n=True),
+     jnp.bfloat16),
 ]
 
 
@@ -168,6 +173,8 @@ def test_mgpu_lowers_for_cuda_llama_shapes(m):
     mgpu.TuningConfig(split="m", wg_n=128, max_concurrent_steps=2, k_blocks=2, cross_tile=True),
     mgpu.TuningConfig(split="n", wg_n=32, max_concurrent_steps=4, k_blocks=2),
     mgpu.TuningConfig(split="m", wg_n=128, max_concurrent_steps=4, cross_tile=True, num_wgs=3),
+    mgpu.TuningConfig(split="m", wg_n=128, max_concurrent_steps=2, k_blocks=2, cross_tile=True, cluster_n=True),
+    mgpu.TuningConfig(split="m", wg_n=128, max_concurrent_steps=4, cross_tile=True, num_wgs=3, cluster_n=True),
 ], ids=str)
 @pytest.mark.parametrize("row_scales,out_dtype", [(False, jnp.float32), (True, jnp.float32), (True, jnp.bfloat16)])
 def test_mgpu_lowers_for_cuda_configs(cfg, row_scales, out_dtype):
@@ -233,7 +240,9 @@ def _invariance_configs():
   T = mgpu.TuningConfig
   return ([None] + [T(split=s, wg_n=w) for s in ("m", "n") for w in (16, 32, 64, 128)]
           + [T("m", 128, 2, k_blocks=2), T("n", 32, 4, k_blocks=2), T("m", 128, 4, cross_tile=True),
-             T("m", 128, 2, k_blocks=2, cross_tile=True), T("m", 128, 4, cross_tile=True, num_wgs=3)])
+             T("m", 128, 2, k_blocks=2, cross_tile=True), T("m", 128, 4, cross_tile=True, num_wgs=3),
+             T("m", 128, 2, k_blocks=2, cross_tile=True, cluster_n=True), T("n", 32, 4, cluster_n=True),
+             T("m", 128, 4, cross_tile=True, num_wgs=3, cluster_n=True)])
 
 
 @pytest.mark.gpu
