@@ -14,7 +14,8 @@ from scratch on the Pallas primitives; jax's ``hopper_matmul_mgpu.py`` shows the
 2. Warp specialization: 2 or 3 consumer warpgroups and one producer warpgroup per CTA. The producer
    (``emit_pipeline_warp_specialized``) issues TMA copies of A (cta_m x 128*k_blocks), B (cta_n x 128*k_blocks) and
    the scale rows of each pipeline step into a ``max_concurrent_steps``-deep ring of 128B-swizzled SMEM buffers,
-   and gives most registers to the consumers (``setmaxnreg``).
+   and gives most registers to the consumers (``setmaxnreg``). With ``cluster_n`` two CTAs of a cluster compute
+   side-by-side tiles and each A block is loaded once for both, multicast by TMA.
 3. Each consumer warpgroup owns a 64 x wg_n block of C. Per 128-wide K block it (a) issues 4 FP8 wgmmas (k32 each)
    into a fresh zeroed FP32 wgmma accumulator, (b) reads the block's scales from SMEM while they run, (c) waits and
    promotes: ``acc + blk * (a_scale[m] * b_scale[n])`` in FP32 registers. With ``k_blocks=2`` a step issues both
@@ -22,8 +23,14 @@ from scratch on the Pallas primitives; jax's ``hopper_matmul_mgpu.py`` shows the
    The tensor cores' FP8 accumulator keeps only ~14 mantissa bits, so promoting every 128 K values is what keeps the
    result at FP32 accuracy; and because each output element sees exactly the same promotion sequence in the same K
    order for every tile config, schedule, grid size and M, a row of C is bitwise the same whatever M is and wherever
-   the row sits (batch invariance; tested bitwise on the GPU across M, row positions and 14 configs).
+   the row sits (batch invariance; tested bitwise on the GPU across M, row positions and 17 configs).
 4. Epilogue: the FP32 accumulator is cast to the output dtype, stored to swizzled SMEM and written by TMA.
+
+Tried and measured slower on the H200 (commit 3fae615, docs/benchmarks.md): carrying block 1's wgmma across the
+pipeline step so that every promotion overlaps a wgmma (0.64-0.73x: ptxas reports C7514, "wgmma.mma_async
+instructions are serialized due to non wgmma instructions reading accumulator registers of a wgmma between start and
+end of the pipeline stage", once an accumulator stays in flight across the loop's back edge), and an epilogue
+straight from registers to GMEM to free SMEM for a deeper ring (0.72-0.87x).
 
 Scales reach registers through SMEM: A's scales are passed transposed (K/128, M) so a CTA's 1 x cta_m scale row is a
 TMA-able contiguous block; B's 128x128 tile scales are replicated 32x along N (128 bytes: every ring slot then
@@ -69,14 +76,9 @@ class TuningConfig:
   cross_tile: run one pipeline across all output tiles of a CTA (``PipelinePipeline.START/STEADY/STOP``), so the
     producer loads the next tile's first blocks while this tile finishes and writes its epilogue. Used when every CTA
     has >= 2 tiles and the ring depth divides the K steps (the wrapper adjusts the depth, or drops it).
-  overlap: (k_blocks=2 only) software-pipeline the promotions across steps: block 1 of a step stays in flight
-    while the next step's block 0 is issued, and is promoted then, so a warpgroup has a wgmma on the tensor cores
-    while it promotes. Its ring slot is released one step late (manual consumed barriers). Same promotion order,
-    same bits.
-  direct_store: write the epilogue from registers straight to GMEM instead of through SMEM + TMA; frees the
-    epilogue's SMEM for a deeper ring.
-  cluster_n: run CTAs in clusters of 2 that compute horizontally adjacent tiles (same A rows) and load each A
-    block once for both, multicast by TMA into both CTAs' SMEM (a quarter less L2 -> SM traffic).
+  cluster_n: run the CTAs in clusters of 2 that compute horizontally adjacent tiles (the same A rows); each A block
+    is loaded once for both and multicast by TMA into both CTAs' SMEM (a quarter less L2 -> SM traffic). Needs an
+    even number of CTA columns (else it is dropped).
   """
 
   split: str = "m"
@@ -87,8 +89,6 @@ class TuningConfig:
   k_blocks: int = 1
   cross_tile: bool = False
   num_wgs: int = 2
-  overlap: bool = False
-  direct_store: bool = False
   cluster_n: bool = False
 
   def __post_init__(self):
@@ -106,8 +106,6 @@ class TuningConfig:
       raise ValueError(f"TuningConfig.k_blocks must be 1 or 2, got {self.k_blocks}")
     if self.num_wgs not in (2, 3) or (self.num_wgs == 3 and (self.split != "m" or self.k_blocks != 1)):
       raise ValueError(f"TuningConfig.num_wgs must be 2, or 3 with split='m' and k_blocks=1; got {self}")
-    if self.overlap and self.k_blocks != 2:
-      raise ValueError(f"TuningConfig.overlap needs k_blocks=2 (two wgmma accumulators); got {self}")
 
   @property
   def cta_m(self) -> int:
@@ -126,7 +124,7 @@ def _num_sms() -> int:
   return getattr(dev, "core_count", 0) or 132
 
 
-def choose_config(m: int, n: int, k: int, num_sms: int | None = None) -> TuningConfig:
+def choose_config(m: int, n: int, k: int, num_sms: int | None = None, row_scales: bool = False) -> TuningConfig:
   """Tile config per shape class (decode: small M, prefill/training: large M).
 
   Every config computes each output element with the same instruction sequence (module docstring, item 3), so the
@@ -134,17 +132,21 @@ def choose_config(m: int, n: int, k: int, num_sms: int | None = None) -> TuningC
   "schedule variants"):
   * M >= 2048 and N >= 16384 (gate_up, lm_head): 192x128 CTAs with three consumer warpgroups (gate_up 1303 TFLOP/s
     vs 1224 for 128x128); for N = 4096 / 6144 they lose (o 1064 vs 1176), so those keep 128x128.
+  * M >= 2048: CTAs in pairs along N that share A by TMA multicast (``cluster_n``), and one pipeline across a CTA's
+    tiles: +1-3% (M = 8192: qkv 1207 vs 1192, o 1187 vs 1174, gate_up 1312 vs 1292, lm_head 1223 vs 1189). Not for
+    wgrad (``row_scales``), where clusters lose 4-6% (o dW 883 vs 942, gate_up dW 921 vs 964).
   * Otherwise two K blocks per pipeline step and one pipeline across a CTA's tiles (each falls back when the shape
     does not allow it), and the largest CTA tile whose grid still fills ~70% of the SMs: 128x128 for training and
     M ~ 256 with N >= 6144 (qkv at M = 256: 602 vs 522 for 64x128), then 64-row CTAs narrowed over N for decode,
     where the GEMM is bound by reading B (M = 256 o/down: 64x128; M = 64 qkv: 64x64, o/down: 64x32).
   """
   del k
-  if m >= 2048 and n >= 16384:
-    return TuningConfig("m", 128, 4, num_wgs=3)
+  big = m >= 2048
+  if big and n >= 16384 and not row_scales:
+    return TuningConfig("m", 128, 4, num_wgs=3, cross_tile=True, cluster_n=True)
   num_sms = num_sms or _num_sms()
   enough = (7 * num_sms) // 10
-  T = functools.partial(TuningConfig, k_blocks=2, cross_tile=True)
+  T = functools.partial(TuningConfig, k_blocks=2, cross_tile=True, cluster_n=big and not row_scales)
   cands = [T("m", 128, 2)] if m > WG_M else []
   cands += [T("n", 64, 4), T("n", 32, 4), T("n", 16, 4)]
   for cfg in cands:
@@ -159,14 +161,14 @@ _SMEM_BUDGET = 220 * 1024  # of the 227 KiB an sm_90 CTA may use; the rest is le
 def _plan(cfg: TuningConfig, m: int, n: int, k: int, out_dtype, row_scales: bool, num_sms: int):
   """Resolves a config for one shape: k_blocks, ring depth (SMEM fit; divides the K steps for cross_tile), grid.
 
-  Returns (cfg as it will run, padded M, grid size in clusters (CTAs without cluster_n)).
+  Returns (cfg as it will run, padded M, grid size in clusters (= CTAs without cluster_n)).
   """
   if (k // BLOCK) % cfg.k_blocks:
-    cfg = dataclasses.replace(cfg, k_blocks=1, overlap=False)
+    cfg = dataclasses.replace(cfg, k_blocks=1)
   kb = cfg.k_blocks
   bs_cols = cfg.cta_n if row_scales else _SCALE_REP * max(1, cfg.cta_n // BLOCK)
   stage = kb * ((cfg.cta_m + cfg.cta_n) * BLOCK + 4 * (cfg.cta_m + bs_cols))
-  out = 0 if cfg.direct_store else cfg.num_wgs * WG_M * cfg.wg_n * jnp.dtype(out_dtype).itemsize
+  out = cfg.num_wgs * WG_M * cfg.wg_n * jnp.dtype(out_dtype).itemsize
   k_steps = k // (BLOCK * kb)
   stages = max(2, min(cfg.max_concurrent_steps, (_SMEM_BUDGET - out) // stage, k_steps))
   mp = -(-m // cfg.cta_m) * cfg.cta_m
@@ -174,7 +176,7 @@ def _plan(cfg: TuningConfig, m: int, n: int, k: int, out_dtype, row_scales: bool
     cfg = dataclasses.replace(cfg, cluster_n=False)
   c = 2 if cfg.cluster_n else 1
   num_tiles = (mp // cfg.cta_m) * (n // cfg.cta_n) // c  # in clusters
-  grid = min(num_sms // c, num_tiles)  # clusters
+  grid = min(num_sms // c, num_tiles)  # in clusters
   cross = cfg.cross_tile and num_tiles >= 2 * grid
   if cross:
     while stages > 2 and k_steps % stages:
@@ -188,15 +190,13 @@ def _swizzled(shape_minor_bytes: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, *scratch, cfg: TuningConfig, row_scales: bool):
-  """Refs: a (Mp, K) e4m3, b (N, K) e4m3, as (Kb, Mp) f32, bs (Kb, 32*Nb | N) f32, out (Mp, N); scratch: the
-  epilogue's SMEM buffer (num_wgs, 64, wg_n), absent with direct_store."""
-  (out_smem,) = scratch or (None,)
+def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: TuningConfig, row_scales: bool):
+  """Refs: a (Mp, K) e4m3, b (N, K) e4m3, as (Kb, Mp) f32, bs (Kb, 32*Nb | N) f32, out (Mp, N)."""
   mp, k = a_gmem.shape
   n = b_gmem.shape[0]
   out_dtype = out_gmem.dtype
   cta_m, cta_n, wg_n, kb = cfg.cta_m, cfg.cta_n, cfg.wg_n, cfg.k_blocks
-  c = 2 if cfg.cluster_n else 1
+  c = 2 if cfg.cluster_n else 1  # CTAs per cluster, side by side along N
   m_iters, n_iters, k_steps = mp // cta_m, n // (cta_n * c), k // (BLOCK * kb)
   fp8_transforms = _swizzled(BLOCK, 1)  # 128 B rows -> 128 B swizzle
   # Columns of bs a CTA needs: its own (row scales) or the replicated scale of each 128-wide block it touches.
@@ -220,7 +220,6 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, *scratch, cfg: TuningCon
         max_concurrent_steps=cfg.max_concurrent_steps,
         compute_context=compute_context,
         pipeline_state=pipeline_state,
-        manual_consumed_barriers=cfg.overlap,
     )
 
   ignore = lambda *_, **__: None
@@ -241,7 +240,7 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, *scratch, cfg: TuningCon
     def _tile_loop(info: plgpu.NDLoopInfo):
       (lin,) = info.index
       m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), minor, cfg.grid_tile_width)
-      if cfg.cluster_n:
+      if cfg.cluster_n:  # the walk is over cluster tiles; this CTA takes its half
         n_idx = n_idx * 2 + lax.axis_index("cluster")
       m0 = m_idx * cta_m
       n0 = n_idx * cta_n
@@ -292,76 +291,29 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, *scratch, cfg: TuningCon
         return plgpu.layout_cast(jnp.zeros((WG_M, wg_n), jnp.float32), plgpu.Layout.WGMMA)
 
       def epilogue(acc):
-        """(4) registers -> swizzled SMEM -> TMA store (overlaps the next tile's main loop), or straight to GMEM."""
-        dst = out_gmem.at[pl.ds(m0 + wg_m_off, WG_M), pl.ds(n0 + wg_n_off, wg_n)]
-        if cfg.direct_store:
-          dst[...] = acc.astype(out_dtype)
-          return
+        """(4) registers -> swizzled SMEM -> TMA store (overlaps the next tile's main loop)."""
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         out_smem[wg] = acc.astype(out_dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[wg], dst)
+        plgpu.copy_smem_to_gmem(
+            out_smem.at[wg], out_gmem.at[pl.ds(m0 + wg_m_off, WG_M), pl.ds(n0 + wg_n_off, wg_n)])
 
-      if not cfg.overlap:
-        def compute_context(eval_pipeline):
-          epilogue(eval_pipeline(zeros()))
+      def compute_context(eval_pipeline):
+        epilogue(eval_pipeline(zeros()))
 
-        def mma_body(_, a_smem, b_smem, as_smem, bs_smem, acc):
-          def block_dots(*blk_refs):
-            for j, r in enumerate(blk_refs):
-              plgpu.wgmma(r, *operands(a_smem, b_smem, j))
-            out = acc
-            for j, r in enumerate(blk_refs):  # scale loads overlap the wgmmas in flight
-              s = scales(as_smem, bs_smem, j)
-              # Block j is promoted while blocks j+1.. still run on the tensor cores.
-              out = promote(out, plgpu.wgmma_accumulator_load(r, wait_n=kb - 1 - j), *s)
-            return out
+      def mma_body(_, a_smem, b_smem, as_smem, bs_smem, acc):
+        def block_dots(*blk_refs):
+          for j, r in enumerate(blk_refs):
+            plgpu.wgmma(r, *operands(a_smem, b_smem, j))
+          out = acc
+          for j, r in enumerate(blk_refs):  # scale loads overlap the wgmmas in flight
+            s = scales(as_smem, bs_smem, j)
+            # Block j is promoted while blocks j+1.. still run on the tensor cores.
+            out = promote(out, plgpu.wgmma_accumulator_load(r, wait_n=kb - 1 - j), *s)
+          return out
 
-          # A fresh (zeroed) FP8 wgmma accumulator per K block.
-          return pl.run_scoped(block_dots, *([plgpu.ACC((WG_M, wg_n), jnp.float32)] * kb))
-      else:
-        # Software-pipelined promotion (cfg.overlap): two accumulators live across the whole K loop. In step kk,
-        # block 0 is issued into acc0 while block 1 of step kk-1 (acc1) is still in flight; then acc1 is awaited,
-        # its ring slot released and promoted, block 1 of step kk issued into acc1, and acc0 awaited and promoted.
-        # Block 1 of the last step is promoted after the loop. Blocks are promoted in K order, as above.
-        consumed = allocs["flat_consumed_barrier_refs"]
-        stages = cfg.max_concurrent_steps
-
-        def release(kk):
-          slot = lax.rem(kk, stages)
-          for bar in consumed:
-            plgpu.barrier_arrive(bar.at[slot])
-
-        def no_scales():
-          sa = plgpu.layout_cast(jnp.zeros((WG_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-          if row_scales:
-            return sa, plgpu.layout_cast(jnp.zeros((wg_n,), jnp.float32), plgpu.Layout.WGMMA.reduce(0))
-          return sa, jnp.zeros((), jnp.float32)
-
-        def mma_body(idx, a_smem, b_smem, as_smem, bs_smem, *bars_and_carry):
-          (kk,) = idx
-          # carry: the two accumulators, the running sum, the scales of the block in acc1
-          acc0, acc1, out, sa1, sb1 = bars_and_carry[-1]
-          plgpu.wgmma(acc0, *operands(a_smem, b_smem, 0))
-          prev = plgpu.wgmma_accumulator_load(acc1, wait_n=1)  # block 1 of step kk-1 (zeros at kk = 0)
-          pl.when(kk > 0)(lambda: release(kk - 1))
-          out = promote(out, prev, sa1, sb1)  # at kk = 0: out + 0 * 0, bitwise out (out = +0 there)
-          acc1[...] = zeros()
-          plgpu.wgmma(acc1, *operands(a_smem, b_smem, 1))
-          s0 = scales(as_smem, bs_smem, 0)
-          s1 = scales(as_smem, bs_smem, 1)
-          out = promote(out, plgpu.wgmma_accumulator_load(acc0, wait_n=1), *s0)
-          acc0[...] = zeros()
-          return acc0, acc1, out, *s1
-
-        def compute_context(eval_pipeline):
-          def scope(acc0, acc1):
-            _, _, out, sa1, sb1 = eval_pipeline((acc0, acc1, zeros(), *no_scales()))
-            out = promote(out, plgpu.wgmma_accumulator_load(acc1, wait_n=0), sa1, sb1)
-            release(k_steps - 1)
-            epilogue(out)
-
-          pl.run_scoped(scope, plgpu.ACC((WG_M, wg_n), jnp.float32), plgpu.ACC((WG_M, wg_n), jnp.float32))
+        # A fresh (zeroed) FP8 wgmma accumulator per K block.
+        return pl.run_scoped(block_dots, *([plgpu.ACC((WG_M, wg_n), jnp.float32)] * kb))
 
       get_pipeline(mma_body, compute_context, pipeline_state)(
           a_gmem.at[pl.ds(m0, cta_m)],
@@ -393,10 +345,10 @@ def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig
     raise ValueError(f"fp8_gemm (Mosaic GPU): out_dtype must be bfloat16 or float32, got {out_dtype}")
   (m, k), n = a_q.shape, b_q.shape[0]
   num_sms = num_sms or (4 if interpret else _num_sms())
-  cfg = config or choose_config(m, n, k, num_sms)
+  row_scales = b_s.shape[0] == n
+  cfg = config or choose_config(m, n, k, num_sms, row_scales)
   if n % cfg.cta_n:
     raise ValueError(f"fp8_gemm: N = {n} is not a multiple of the CTA width {cfg.cta_n} of {cfg}")
-  row_scales = b_s.shape[0] == n
   if row_scales and cfg.cta_n * 4 < 128:  # B's scale row per ring slot must be >= 128 bytes (TMA alignment)
     cfg = dataclasses.replace(cfg, split="n")
   if interpret:
@@ -404,9 +356,7 @@ def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig
     # producer never arrives) and now and then with 3 consumer warpgroups (about every other run of a 200x256x256
     # case on 2 CPU cores). The H200 runs both bitwise equal to the 2-warpgroup, per-tile pipeline (GPU tests), so
     # the interpreter runs that: the same bits.
-    # Its wgmma accumulators cannot be stored to, which the software-pipelined promotion needs to re-zero them
-    # (cfg.overlap; the same promotion order, bitwise equal on the H200 too).
-    cfg = dataclasses.replace(cfg, cross_tile=False, overlap=False)
+    cfg = dataclasses.replace(cfg, cross_tile=False)
     if cfg.num_wgs == 3:
       cfg = dataclasses.replace(cfg, num_wgs=2)
   cfg, mp, grid = _plan(cfg, m, n, k, out_dtype, row_scales, num_sms)
@@ -423,7 +373,7 @@ def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig
   kernel = plgpu.kernel(
       functools.partial(_kernel, cfg=cfg, row_scales=row_scales),
       out_type=jax.ShapeDtypeStruct((mp, n), out_dtype),
-      scratch_types=[] if cfg.direct_store else [out_smem_type],
+      scratch_types=[out_smem_type],
       grid=(grid,),
       grid_names=("sm",),
       **(dict(cluster=(2,), cluster_names=("cluster",)) if cfg.cluster_n else {}),

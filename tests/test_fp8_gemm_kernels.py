@@ -144,6 +144,19 @@ def test_config_per_shape_class(m):
       assert cfg.cta_m == 64
 
 
+def test_clusters_only_where_measured_faster():
+  """2-CTA clusters for large-M forward/dgrad GEMMs, not for wgrad (row scales) or decode; odd tile columns drop them."""
+  for k, n in LLAMA_8B_SHAPES.values():
+    assert mgpu.choose_config(8192, n, k, num_sms=132).cluster_n
+    assert not mgpu.choose_config(8192, n, k, num_sms=132, row_scales=True).cluster_n
+    assert not mgpu.choose_config(64, n, k, num_sms=132).cluster_n
+  cfg = mgpu.TuningConfig("m", 128, 2, cluster_n=True)
+  planned, _, grid = mgpu._plan(cfg, 1024, 384, 256, jnp.bfloat16, False, 132)  # 3 tile columns
+  assert not planned.cluster_n and grid == 24
+  planned, _, grid = mgpu._plan(cfg, 1024, 512, 256, jnp.bfloat16, False, 132)  # 4 columns: 16 clusters of 2 CTAs
+  assert planned.cluster_n and grid == 16
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # CPU: lowering for the cuda platform (catches layout / dtype / SMEM-transform errors without a GPU)
 # ------------------------------------------------------------------------------------------------------------------
