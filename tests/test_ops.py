@@ -227,3 +227,34 @@ def test_per_device_only_for_pallas_rows_that_divide(monkeypatch):
   assert ops._per_device(ops.LinearConfig(backend="pallas", mesh=_StubMesh(data=1, fsdp=1, tensor=4)), 512) is None
   fsdp8 = _StubMesh(data=1, fsdp=8, tensor=1)
   assert ops._per_device(ops.LinearConfig(backend="pallas", mesh=fsdp8), 1024) == (fsdp8, ("fsdp",))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (ops.hopper_available() and len(jax.devices()) >= 2), reason="needs >= 2 Hopper GPUs")
+def test_gpu_pallas_path_per_device_on_real_gpus():
+  """The per-device path on real GPUs with the real Hopper kernels: rows over an fsdp axis of all local GPUs; forward,
+  dgrad and the quantized-weight forward bitwise the one-device result, wgrad (psum of per-device partial dW) within
+  FP32 summation order."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  n_dev = len(jax.devices())
+  mesh = Mesh(np.asarray(jax.devices()).reshape(1, n_dev, 1), ("data", "fsdp", "tensor"))
+  x = rand(0, (256 * n_dev, 512)).astype(jnp.bfloat16)  # 256 tokens per device
+  w = rand(1, (768, 512), 0.05)
+  g = rand(2, (256 * n_dev, 768))
+
+  def run(cfg, x, w):
+    f = lambda x, w: jnp.sum(ops.linear(x, quant.FP8Weight(w), cfg).astype(jnp.float32) * g)  # noqa: E731
+    y = fp8jax.jit(lambda x, w: ops.linear(x, quant.FP8Weight(w), cfg))(x, w)
+    dx, dw = fp8jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)
+    yq = fp8jax.jit(lambda x: ops.linear(x, quant.quantize_weight(w), cfg))(x)
+    jaxpr = str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w))
+    return [np.asarray(a, np.float32) for a in (y, dx, dw, yq)], jaxpr
+
+  one, _ = run(ops.LinearConfig(backend="pallas"), x, w)
+  xs = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), None)))
+  ws = jax.device_put(w, NamedSharding(mesh, P(None, "fsdp")))
+  many, jaxpr = run(ops.LinearConfig(backend="pallas", mesh=mesh), xs, ws)
+  assert jaxpr.count("shard_map") >= 3 and "psum" in jaxpr
+  for name, a, b in zip(("y", "dx", "yq"), (one[0], one[1], one[3]), (many[0], many[1], many[3])):
+    np.testing.assert_array_equal(a, b, err_msg=name)
+  assert np.abs(one[2] - many[2]).max() / np.abs(one[2]).max() <= 1e-5
