@@ -30,7 +30,8 @@ Tried and measured slower on the H200 (commit 3fae615, docs/benchmarks.md): carr
 pipeline step so that every promotion overlaps a wgmma (0.64-0.73x: ptxas reports C7514, "wgmma.mma_async
 instructions are serialized due to non wgmma instructions reading accumulator registers of a wgmma between start and
 end of the pipeline stage", once an accumulator stays in flight across the loop's back edge), and an epilogue
-straight from registers to GMEM to free SMEM for a deeper ring (0.72-0.87x).
+straight from registers to GMEM to free SMEM for a deeper ring (0.72-0.87x); and (commit b96e6b7) the two consumer
+warpgroups taking turns to issue their wgmmas through a shared barrier, FA3-style ping-pong (0.69-0.78x).
 
 Scales reach registers through SMEM: A's scales are passed transposed (K/128, M) so a CTA's 1 x cta_m scale row is a
 TMA-able contiguous block; B's 128x128 tile scales are replicated 32x along N (128 bytes: every ring slot then
@@ -79,9 +80,6 @@ class TuningConfig:
   cluster_n: run the CTAs in clusters of 2 that compute horizontally adjacent tiles (the same A rows); each A block
     is loaded once for both and multicast by TMA into both CTAs' SMEM (a quarter less L2 -> SM traffic). Needs an
     even number of CTA columns (else it is dropped).
-  pingpong: (2 consumer warpgroups) the two warpgroups take turns issuing their wgmmas, half a step apart (a shared
-    barrier both pass after each issue; warpgroup 1 starts one phase late), so that one promotes while the other's
-    wgmmas run instead of both promoting at once.
   """
 
   split: str = "m"
@@ -93,7 +91,6 @@ class TuningConfig:
   cross_tile: bool = False
   num_wgs: int = 2
   cluster_n: bool = False
-  pingpong: bool = False
 
   def __post_init__(self):
     if self.split not in ("m", "n"):
@@ -110,8 +107,6 @@ class TuningConfig:
       raise ValueError(f"TuningConfig.k_blocks must be 1 or 2, got {self.k_blocks}")
     if self.num_wgs not in (2, 3) or (self.num_wgs == 3 and (self.split != "m" or self.k_blocks != 1)):
       raise ValueError(f"TuningConfig.num_wgs must be 2, or 3 with split='m' and k_blocks=1; got {self}")
-    if self.pingpong and self.num_wgs != 2:
-      raise ValueError(f"TuningConfig.pingpong needs num_wgs=2; got {self}")
 
   @property
   def cta_m(self) -> int:
@@ -235,17 +230,11 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
       allocs=get_pipeline(ignore, ignore).get_allocations(
           a_gmem.at[pl.ds(0, cta_m)], b_gmem.at[pl.ds(0, cta_n)],
           as_gmem.at[:, pl.ds(0, cta_m)], bs_gmem.at[:, pl.ds(0, bs_cols)]),
-      turn=plgpu.Barrier(num_arrivals=2) if cfg.pingpong else None,
       collective_axes="wg",
   )
-  def _scope(allocs, turn):
+  def _scope(allocs):
     wg = lax.axis_index("wg")
     minor = {"m": 0, "n": 1}[cfg.grid_minor_dim]
-
-    def take_turns():  # pingpong: both consumer warpgroups pass this barrier once per step
-      if cfg.pingpong:
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
 
     # (1) Persistent loop over output tiles.
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -311,19 +300,12 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
             out_smem.at[wg], out_gmem.at[pl.ds(m0 + wg_m_off, WG_M), pl.ds(n0 + wg_n_off, wg_n)])
 
       def compute_context(eval_pipeline):
-        # pingpong, per tile: warpgroup 1 runs one phase behind warpgroup 0 and catches up after the last step (per
-        # tile, not per kernel: else warpgroup 1's last step would wait for warpgroup 0's first issue of the next
-        # tile, which waits for the SMEM slots that warpgroup 1 has not yet released).
-        pl.when(wg == 1)(take_turns)
-        acc = eval_pipeline(zeros())
-        pl.when(wg == 0)(take_turns)
-        epilogue(acc)
+        epilogue(eval_pipeline(zeros()))
 
       def mma_body(_, a_smem, b_smem, as_smem, bs_smem, acc):
         def block_dots(*blk_refs):
           for j, r in enumerate(blk_refs):
             plgpu.wgmma(r, *operands(a_smem, b_smem, j))
-          take_turns()
           out = acc
           for j, r in enumerate(blk_refs):  # scale loads overlap the wgmmas in flight
             s = scales(as_smem, bs_smem, j)

@@ -217,11 +217,8 @@ def variant_configs(m, n, k):
   T = mgpu.TuningConfig
   first = mgpu.choose_config(m, n, k)
   if m >= 1024:
-    # (the overlap / direct_store options measured on 2026-11-30 live in commit 3fae615: docs/benchmarks.md)
+    # (overlap / direct_store and pingpong, measured slower on 2026-11-30: commits 3fae615 and b96e6b7)
     cands = [T("m", 128, 2, k_blocks=2, cross_tile=True), T("m", 128, 2, k_blocks=2, cross_tile=True, cluster_n=True),
-             T("m", 128, 2, k_blocks=2, cross_tile=True, cluster_n=True, pingpong=True),
-             T("m", 128, 2, k_blocks=2, cross_tile=True, pingpong=True),
-             T("m", 128, 4, cross_tile=True, cluster_n=True, pingpong=True),
              T("m", 128, 4, num_wgs=3), T("m", 128, 4, cross_tile=True, num_wgs=3),
              T("m", 128, 4, cross_tile=True, num_wgs=3, cluster_n=True)]
   else:
@@ -268,7 +265,7 @@ def variants(ms, shapes, out_dir) -> int:
         err = rel_err(out, ref)
         log(f"  {tfl:.0f} TFLOP/s, x{tfl / base:.3f}, x{tfl / cub:.3f} cuBLAS, bitwise={same}, err={err:.1e}")
         c = mgpu._plan(c, m, n, k, jnp.bfloat16, False, mgpu._num_sms())[0]  # as it ran  # noqa: SLF001
-        flags = [f for f in ("cross_tile", "cluster_n", "pingpong") if getattr(c, f)]
+        flags = [f for f in ("cross_tile", "cluster_n") if getattr(c, f)]
         short = (f"{c.split}/{c.wg_n} st{c.max_concurrent_steps} kb{c.k_blocks} wg{c.num_wgs}"
                  f" {' '.join(flags)} {c.grid_minor_dim}{c.grid_tile_width}")
         lines.append(f"| {m} | {name} | {short} | {tfl:.0f} | {tfl / base:.3f} | {tfl / cub:.3f} | {same} "
