@@ -80,7 +80,6 @@ class TuningConfig:
   cluster_n: run the CTAs in clusters of 2 that compute horizontally adjacent tiles (the same A rows); each A block
     is loaded once for both and multicast by TMA into both CTAs' SMEM (a quarter less L2 -> SM traffic). Needs an
     even number of CTA columns (else it is dropped).
-  cluster_m: the same with vertically adjacent tiles sharing B (needs an even number of CTA rows).
   """
 
   split: str = "m"
@@ -92,7 +91,6 @@ class TuningConfig:
   cross_tile: bool = False
   num_wgs: int = 2
   cluster_n: bool = False
-  cluster_m: bool = False
 
   def __post_init__(self):
     if self.split not in ("m", "n"):
@@ -109,8 +107,6 @@ class TuningConfig:
       raise ValueError(f"TuningConfig.k_blocks must be 1 or 2, got {self.k_blocks}")
     if self.num_wgs not in (2, 3) or (self.num_wgs == 3 and (self.split != "m" or self.k_blocks != 1)):
       raise ValueError(f"TuningConfig.num_wgs must be 2, or 3 with split='m' and k_blocks=1; got {self}")
-    if self.cluster_n and self.cluster_m:
-      raise ValueError(f"TuningConfig: cluster_n and cluster_m are exclusive (clusters of 2); got {self}")
 
   @property
   def cta_m(self) -> int:
@@ -179,9 +175,7 @@ def _plan(cfg: TuningConfig, m: int, n: int, k: int, out_dtype, row_scales: bool
   mp = -(-m // cfg.cta_m) * cfg.cta_m
   if cfg.cluster_n and (n // cfg.cta_n) % 2:
     cfg = dataclasses.replace(cfg, cluster_n=False)
-  if cfg.cluster_m and (mp // cfg.cta_m) % 2:
-    cfg = dataclasses.replace(cfg, cluster_m=False)
-  c = 2 if cfg.cluster_n or cfg.cluster_m else 1
+  c = 2 if cfg.cluster_n else 1
   num_tiles = (mp // cfg.cta_m) * (n // cfg.cta_n) // c  # in clusters
   grid = min(num_sms // c, num_tiles)  # in clusters
   cross = cfg.cross_tile and num_tiles >= 2 * grid
@@ -203,8 +197,8 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
   n = b_gmem.shape[0]
   out_dtype = out_gmem.dtype
   cta_m, cta_n, wg_n, kb = cfg.cta_m, cfg.cta_n, cfg.wg_n, cfg.k_blocks
-  cn, cm = (2 if cfg.cluster_n else 1), (2 if cfg.cluster_m else 1)  # CTAs per cluster along N / M
-  m_iters, n_iters, k_steps = mp // (cta_m * cm), n // (cta_n * cn), k // (BLOCK * kb)
+  c = 2 if cfg.cluster_n else 1  # CTAs per cluster, side by side along N
+  m_iters, n_iters, k_steps = mp // cta_m, n // (cta_n * c), k // (BLOCK * kb)
   fp8_transforms = _swizzled(BLOCK, 1)  # 128 B rows -> 128 B swizzle
   # Columns of bs a CTA needs: its own (row scales) or the replicated scale of each 128-wide block it touches.
   bs_cols = cta_n if row_scales else _SCALE_REP * max(1, cta_n // BLOCK)
@@ -218,7 +212,7 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
             plgpu.BlockSpec((cta_m, kb * BLOCK), lambda kk: (0, kk), transforms=fp8_transforms,
                             memory_space=plgpu.SMEM, collective_axes=("cluster",) if cfg.cluster_n else ()),
             plgpu.BlockSpec((cta_n, kb * BLOCK), lambda kk: (0, kk), transforms=fp8_transforms,
-                            memory_space=plgpu.SMEM, collective_axes=("cluster",) if cfg.cluster_m else ()),
+                            memory_space=plgpu.SMEM),
             plgpu.BlockSpec((kb, cta_m), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
             plgpu.BlockSpec((kb, bs_cols), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
         ],
@@ -249,8 +243,6 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
       m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), minor, cfg.grid_tile_width)
       if cfg.cluster_n:  # the walk is over cluster tiles; this CTA takes its half
         n_idx = n_idx * 2 + lax.axis_index("cluster")
-      if cfg.cluster_m:
-        m_idx = m_idx * 2 + lax.axis_index("cluster")
       m0 = m_idx * cta_m
       n0 = n_idx * cta_n
       if cfg.split == "m":
@@ -385,7 +377,7 @@ def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig
       scratch_types=[out_smem_type],
       grid=(grid,),
       grid_names=("sm",),
-      **(dict(cluster=(2,), cluster_names=("cluster",)) if cfg.cluster_n or cfg.cluster_m else {}),
+      **(dict(cluster=(2,), cluster_names=("cluster",)) if cfg.cluster_n else {}),
       num_threads=cfg.num_wgs + 1,
       thread_name="wg",
       kernel_name="fp8jax_fp8_gemm",  # what profilers (ncu, CUPTI) show
