@@ -145,7 +145,8 @@ def test_config_per_shape_class(m):
 
 
 def test_clusters_only_where_measured_faster():
-  """2-CTA clusters for large-M forward/dgrad GEMMs, not for wgrad (row scales) or decode; odd tile columns drop them."""
+  """2-CTA clusters for large-M forward/dgrad GEMMs, not for wgrad (row scales) or decode; odd tile columns drop
+  them."""
   for k, n in LLAMA_8B_SHAPES.values():
     assert mgpu.choose_config(8192, n, k, num_sms=132).cluster_n
     assert not mgpu.choose_config(8192, n, k, num_sms=132, row_scales=True).cluster_n
