@@ -156,26 +156,32 @@ def test_shape_errors_name_shapes():
 
 PER_DEVICE_SCRIPT = r"""
 import os, sys, json, functools
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+FAKE = {fake}  # 4 fake CPU devices with interpret-mode stand-ins, else all local GPUs with the Hopper kernels
+if FAKE:
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 sys.path.insert(0, {repo!r})
 import fp8jax, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fp8jax import ops, quant
 from pallas_kernels import fp8_gemm_triton, fp8_quant
 
-# The "pallas" path on CPU: the Triton GEMM and the quantization kernels in interpret mode stand in for the Hopper
-# kernels (the per-device logic under test does not depend on which kernel runs).
-ops.resolve_backend = lambda requested: "pallas"
-ops._pallas_gemm = lambda: functools.partial(fp8_gemm_triton.fp8_gemm, interpret=True)
-class Q:
-  quantize_act = functools.partial(fp8_quant.quantize_act, interpret=True)
-  quantize_act_t = functools.partial(fp8_quant.quantize_act_t, interpret=True)
-ops._pallas_quant = lambda: Q
-
-mesh = Mesh(np.asarray(jax.devices()).reshape(2, 2, 1), ("data", "fsdp", "tensor"))
-x = jax.random.normal(jax.random.key(0), (512, 256), jnp.float32).astype(jnp.bfloat16)  # 128 tokens per device
+devices = np.asarray(jax.devices())
+if FAKE:
+  # The "pallas" path on CPU: the Triton GEMM and the quantization kernels in interpret mode stand in for the
+  # Hopper kernels (the per-device logic under test does not depend on which kernel runs).
+  ops.resolve_backend = lambda requested: "pallas"
+  ops._pallas_gemm = lambda: functools.partial(fp8_gemm_triton.fp8_gemm, interpret=True)
+  class Q:
+    quantize_act = functools.partial(fp8_quant.quantize_act, interpret=True)
+    quantize_act_t = functools.partial(fp8_quant.quantize_act_t, interpret=True)
+  ops._pallas_quant = lambda: Q
+  mesh = Mesh(devices.reshape(2, 2, 1), ("data", "fsdp", "tensor"))
+else:
+  mesh = Mesh(devices.reshape(1, -1, 1), ("data", "fsdp", "tensor"))
+m = 128 * mesh.size  # 128 tokens per device
+x = jax.random.normal(jax.random.key(0), (m, 256), jnp.float32).astype(jnp.bfloat16)
 w = jax.random.normal(jax.random.key(1), (384, 256), jnp.float32) * 0.05
-g = jax.random.normal(jax.random.key(2), (512, 384), jnp.float32)
+g = jax.random.normal(jax.random.key(2), (m, 384), jnp.float32)
 
 def run(cfg, x, w):
   f = lambda x, w: jnp.sum(ops.linear(x, quant.FP8Weight(w), cfg).astype(jnp.float32) * g)
@@ -187,25 +193,30 @@ def run(cfg, x, w):
 one, _ = run(ops.LinearConfig(backend="pallas"), x, w)
 xs = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), None)))
 ws = jax.device_put(w, NamedSharding(mesh, P(None, "fsdp")))
-four, jaxpr = run(ops.LinearConfig(backend="pallas", mesh=mesh), xs, ws)
-out = dict(y=bool((one[0] == four[0]).all()), dx=bool((one[1] == four[1]).all()), yq=bool((one[3] == four[3]).all()),
-           dw_rel=float(np.abs(one[2] - four[2]).max() / np.abs(one[2]).max()),
+many, jaxpr = run(ops.LinearConfig(backend="pallas", mesh=mesh), xs, ws)
+out = dict(y=bool((one[0] == many[0]).all()), dx=bool((one[1] == many[1]).all()), yq=bool((one[3] == many[3]).all()),
+           dw_rel=float(np.abs(one[2] - many[2]).max() / np.abs(one[2]).max()),
            shard_maps=jaxpr.count("shard_map"), psum=("psum" in jaxpr))
 print("RESULT" + json.dumps(out))
 """
 
 
-@cpu_only
-def test_pallas_path_runs_per_device_on_a_mesh(tmp_path):
-  """On a 4-device mesh (rows over data x fsdp) the pallas path runs under shard_map: forward and dgrad rows are
-  bitwise the single-device ones; wgrad sums per-device partial dW (psum), equal up to FP32 summation order."""
-  script = PER_DEVICE_SCRIPT.format(repo=REPO)
+def _check_per_device(fake: bool):
+  """Runs PER_DEVICE_SCRIPT: forward, dgrad and the quantized-weight forward under shard_map must be bitwise the
+  single-device rows; wgrad sums per-device partial dW (psum), equal up to FP32 summation order."""
+  script = PER_DEVICE_SCRIPT.format(repo=REPO, fake=fake)
   res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
   assert res.returncode == 0, res.stderr[-3000:]
   out = json.loads(res.stdout.split("RESULT")[-1])
   assert out["y"] and out["dx"] and out["yq"], out
   assert out["shard_maps"] >= 3 and out["psum"], out  # forward, dgrad, wgrad each per device
   assert out["dw_rel"] <= 1e-5, out
+
+
+@cpu_only
+def test_pallas_path_runs_per_device_on_a_mesh():
+  """On a 4-device mesh (rows over data x fsdp) the pallas path runs under shard_map (interpret-mode kernels)."""
+  _check_per_device(fake=True)
 
 
 class _StubMesh:
@@ -232,29 +243,5 @@ def test_per_device_only_for_pallas_rows_that_divide(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (ops.hopper_available() and len(jax.devices()) >= 2), reason="needs >= 2 Hopper GPUs")
 def test_gpu_pallas_path_per_device_on_real_gpus():
-  """The per-device path on real GPUs with the real Hopper kernels: rows over an fsdp axis of all local GPUs; forward,
-  dgrad and the quantized-weight forward bitwise the one-device result, wgrad (psum of per-device partial dW) within
-  FP32 summation order."""
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: PLC0415
-  n_dev = len(jax.devices())
-  mesh = Mesh(np.asarray(jax.devices()).reshape(1, n_dev, 1), ("data", "fsdp", "tensor"))
-  x = rand(0, (256 * n_dev, 512)).astype(jnp.bfloat16)  # 256 tokens per device
-  w = rand(1, (768, 512), 0.05)
-  g = rand(2, (256 * n_dev, 768))
-
-  def run(cfg, x, w):
-    f = lambda x, w: jnp.sum(ops.linear(x, quant.FP8Weight(w), cfg).astype(jnp.float32) * g)  # noqa: E731
-    y = fp8jax.jit(lambda x, w: ops.linear(x, quant.FP8Weight(w), cfg))(x, w)
-    dx, dw = fp8jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)
-    yq = fp8jax.jit(lambda x: ops.linear(x, quant.quantize_weight(w), cfg))(x)
-    jaxpr = str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w))
-    return [np.asarray(a, np.float32) for a in (y, dx, dw, yq)], jaxpr
-
-  one, _ = run(ops.LinearConfig(backend="pallas"), x, w)
-  xs = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), None)))
-  ws = jax.device_put(w, NamedSharding(mesh, P(None, "fsdp")))
-  many, jaxpr = run(ops.LinearConfig(backend="pallas", mesh=mesh), xs, ws)
-  assert jaxpr.count("shard_map") >= 3 and "psum" in jaxpr
-  for name, a, b in zip(("y", "dx", "yq"), (one[0], one[1], one[3]), (many[0], many[1], many[3])):
-    np.testing.assert_array_equal(a, b, err_msg=name)
-  assert np.abs(one[2] - many[2]).max() / np.abs(one[2]).max() <= 1e-5
+  """The per-device path on real GPUs with the real Hopper kernels: rows over an fsdp axis of all local GPUs."""
+  _check_per_device(fake=False)
