@@ -116,6 +116,11 @@ class TuningConfig:
   def cta_n(self) -> int:
     return self.wg_n * (self.num_wgs if self.split == "n" else 1)
 
+  @property
+  def cluster_size(self) -> int:
+    """CTAs per cluster (side by side along N)."""
+    return 2 if self.cluster_n else 1
+
 
 def _num_sms() -> int:
   try:
@@ -173,9 +178,9 @@ def _plan(cfg: TuningConfig, m: int, n: int, k: int, out_dtype, row_scales: bool
   k_steps = k // (BLOCK * kb)
   stages = max(2, min(cfg.max_concurrent_steps, (_SMEM_BUDGET - out) // stage, k_steps))
   mp = -(-m // cfg.cta_m) * cfg.cta_m
-  if cfg.cluster_n and (n // cfg.cta_n) % 2:
+  if cfg.cluster_n and (n // cfg.cta_n) % cfg.cluster_size:
     cfg = dataclasses.replace(cfg, cluster_n=False)
-  c = 2 if cfg.cluster_n else 1
+  c = cfg.cluster_size
   num_tiles = (mp // cfg.cta_m) * (n // cfg.cta_n) // c  # in clusters
   grid = min(num_sms // c, num_tiles)  # in clusters
   cross = cfg.cross_tile and num_tiles >= 2 * grid
@@ -197,8 +202,7 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
   n = b_gmem.shape[0]
   out_dtype = out_gmem.dtype
   cta_m, cta_n, wg_n, kb = cfg.cta_m, cfg.cta_n, cfg.wg_n, cfg.k_blocks
-  c = 2 if cfg.cluster_n else 1  # CTAs per cluster, side by side along N
-  m_iters, n_iters, k_steps = mp // cta_m, n // (cta_n * c), k // (BLOCK * kb)
+  m_iters, n_iters, k_steps = mp // cta_m, n // (cta_n * cfg.cluster_size), k // (BLOCK * kb)
   fp8_transforms = _swizzled(BLOCK, 1)  # 128 B rows -> 128 B swizzle
   # Columns of bs a CTA needs: its own (row scales) or the replicated scale of each 128-wide block it touches.
   bs_cols = cta_n if row_scales else _SCALE_REP * max(1, cta_n // BLOCK)
@@ -242,7 +246,7 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
       (lin,) = info.index
       m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), minor, cfg.grid_tile_width)
       if cfg.cluster_n:  # the walk is over cluster tiles; this CTA takes its half
-        n_idx = n_idx * 2 + lax.axis_index("cluster")
+        n_idx = n_idx * cfg.cluster_size + lax.axis_index("cluster")
       m0 = m_idx * cta_m
       n0 = n_idx * cta_n
       if cfg.split == "m":
@@ -377,7 +381,7 @@ def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig
       scratch_types=[out_smem_type],
       grid=(grid,),
       grid_names=("sm",),
-      **(dict(cluster=(2,), cluster_names=("cluster",)) if cfg.cluster_n else {}),
+      **(dict(cluster=(cfg.cluster_size,), cluster_names=("cluster",)) if cfg.cluster_n else {}),
       num_threads=cfg.num_wgs + 1,
       thread_name="wg",
       kernel_name="fp8jax_fp8_gemm",  # what profilers (ncu, CUPTI) show
