@@ -80,11 +80,6 @@ class TuningConfig:
   cluster_n: run the CTAs in clusters of 2 that compute horizontally adjacent tiles (the same A rows); each A block
     is loaded once for both and multicast by TMA into both CTAs' SMEM (a quarter less L2 -> SM traffic). Needs an
     even number of CTA columns (else it is dropped).
-  chain: 0, or the schedule of ``_kernel_chain`` (2 warpgroups, k_blocks 1): a hand-written warp-specialized
-    pipeline with ring slots of one K block in which up to ``chain`` consecutive K blocks form an unrolled chain:
-    block j+1's wgmmas are issued before block j is promoted, so every promotion but the chain's last overlaps a
-    wgmma of the same warpgroup, and no wgmma is in flight across a loop back edge. The chain length used is the
-    largest divisor of K/128 that is <= ``chain``.
   """
 
   split: str = "m"
@@ -96,7 +91,6 @@ class TuningConfig:
   cross_tile: bool = False
   num_wgs: int = 2
   cluster_n: bool = False
-  chain: int = 0
 
   def __post_init__(self):
     if self.split not in ("m", "n"):
@@ -113,8 +107,6 @@ class TuningConfig:
       raise ValueError(f"TuningConfig.k_blocks must be 1 or 2, got {self.k_blocks}")
     if self.num_wgs not in (2, 3) or (self.num_wgs == 3 and (self.split != "m" or self.k_blocks != 1)):
       raise ValueError(f"TuningConfig.num_wgs must be 2, or 3 with split='m' and k_blocks=1; got {self}")
-    if self.chain < 0 or (self.chain and (self.num_wgs != 2 or self.k_blocks != 1)):
-      raise ValueError(f"TuningConfig.chain needs num_wgs=2 and k_blocks=1 (two live accumulators); got {self}")
 
   @property
   def cta_m(self) -> int:
@@ -180,7 +172,7 @@ def _plan(cfg: TuningConfig, m: int, n: int, k: int, out_dtype, row_scales: bool
   if (k // BLOCK) % cfg.k_blocks:
     cfg = dataclasses.replace(cfg, k_blocks=1)
   kb = cfg.k_blocks
-  bs_cols = _bs_cols(cfg, row_scales)
+  bs_cols = cfg.cta_n if row_scales else _SCALE_REP * max(1, cfg.cta_n // BLOCK)
   stage = kb * ((cfg.cta_m + cfg.cta_n) * BLOCK + 4 * (cfg.cta_m + bs_cols))
   out = cfg.num_wgs * WG_M * cfg.wg_n * jnp.dtype(out_dtype).itemsize
   k_steps = k // (BLOCK * kb)
@@ -191,9 +183,6 @@ def _plan(cfg: TuningConfig, m: int, n: int, k: int, out_dtype, row_scales: bool
   c = cfg.cluster_size
   num_tiles = (mp // cfg.cta_m) * (n // cfg.cta_n) // c  # in clusters
   grid = min(num_sms // c, num_tiles)  # in clusters
-  if cfg.chain:  # one ring slot per K block; the chain: the largest divisor of K/128 up to cfg.chain
-    chain = max(d for d in range(1, cfg.chain + 1) if (k // BLOCK) % d == 0)
-    return dataclasses.replace(cfg, max_concurrent_steps=stages, chain=chain, cross_tile=False), mp, grid
   cross = cfg.cross_tile and num_tiles >= 2 * grid
   if cross:
     while stages > 2 and k_steps % stages:
@@ -207,82 +196,16 @@ def _swizzled(shape_minor_bytes: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-class _Tile:
-  """One consumer warpgroup's 64 x wg_n block of one CTA output tile: operand views, scales, promotion, epilogue.
-
-  Shared by both schedules, so that every config computes each output element with the same instructions.
-  """
-
-  def __init__(self, cfg: TuningConfig, row_scales: bool, lin, m_iters: int, n_iters: int, wg, out_gmem, out_smem):
-    self.cfg, self.row_scales, self.wg, self.out_gmem, self.out_smem = cfg, row_scales, wg, out_gmem, out_smem
-    minor = {"m": 0, "n": 1}[cfg.grid_minor_dim]
-    m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), minor, cfg.grid_tile_width)
-    if cfg.cluster_n:  # the walk is over cluster tiles; this CTA takes its part
-      n_idx = n_idx * cfg.cluster_size + lax.axis_index("cluster")
-    self.m0, self.n0 = m_idx * cfg.cta_m, n_idx * cfg.cta_n
-    if cfg.split == "m":
-      self.wg_m_off, self.wg_n_off = wg * WG_M, 0
-    else:
-      self.wg_m_off, self.wg_n_off = 0, wg * cfg.wg_n
-    if row_scales:
-      self.bs_start, self.bs_col = self.n0, self.wg_n_off
-    else:  # the replicated scale of each 128-wide block the CTA touches
-      nb0 = self.n0 // BLOCK
-      self.bs_start = nb0 * _SCALE_REP
-      self.bs_col = ((self.n0 + self.wg_n_off) // BLOCK - nb0) * _SCALE_REP
-
-  def operands(self, a_smem, b_smem, j=None):
-    """This warpgroup's A (64 x 128) and B^T (128 x wg_n) views of K block j of a ring slot (j: k_blocks > 1)."""
-    a = a_smem.at[pl.ds(self.wg_m_off, WG_M)]
-    b = b_smem.at[pl.ds(self.wg_n_off, self.cfg.wg_n)]
-    if j is not None:
-      a, b = a.at[:, pl.ds(j * BLOCK, BLOCK)], b.at[:, pl.ds(j * BLOCK, BLOCK)]
-    return a, b.transpose((1, 0))
-
-  def scales(self, as_smem, bs_smem, j):
-    """Row j of the slot's scales: (a_scale of this warpgroup's 64 rows, b_scale scalar | per column)."""
-    sa = plgpu.load(as_smem.at[j, pl.ds(self.wg_m_off, WG_M)], layout=plgpu.Layout.WGMMA.reduce(1))
-    if self.row_scales:
-      sb = plgpu.load(bs_smem.at[j, pl.ds(self.bs_col, self.cfg.wg_n)], layout=plgpu.Layout.WGMMA.reduce(0))
-    else:
-      sb = bs_smem[j, self.bs_col]
-    return sa, sb
-
-  def promote(self, acc, blk, sa, sb):
-    """(3) FP32 promotion of one K block: acc + blk * (a_scale[m] * b_scale[n]); the same code for all configs."""
-    shape = (WG_M, self.cfg.wg_n)
-    if self.row_scales:
-      scale = lax.broadcast_in_dim(sa, shape, [0]) * lax.broadcast_in_dim(sb, shape, [1])
-    else:
-      scale = lax.broadcast_in_dim(sa * sb, shape, [0])
-    return acc + blk * scale
-
-  def zeros(self):
-    return plgpu.layout_cast(jnp.zeros((WG_M, self.cfg.wg_n), jnp.float32), plgpu.Layout.WGMMA)
-
-  def epilogue(self, acc):
-    """(4) registers -> swizzled SMEM -> TMA store (overlaps the next tile's main loop)."""
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    self.out_smem[self.wg] = acc.astype(self.out_gmem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(
-        self.out_smem.at[self.wg],
-        self.out_gmem.at[pl.ds(self.m0 + self.wg_m_off, WG_M), pl.ds(self.n0 + self.wg_n_off, self.cfg.wg_n)])
-
-
-def _bs_cols(cfg: TuningConfig, row_scales: bool) -> int:
-  """Columns of bs a CTA needs: its own (row scales) or the replicated scale of each 128-wide block it touches."""
-  return cfg.cta_n if row_scales else _SCALE_REP * max(1, cfg.cta_n // BLOCK)
-
-
 def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: TuningConfig, row_scales: bool):
   """Refs: a (Mp, K) e4m3, b (N, K) e4m3, as (Kb, Mp) f32, bs (Kb, 32*Nb | N) f32, out (Mp, N)."""
   mp, k = a_gmem.shape
   n = b_gmem.shape[0]
+  out_dtype = out_gmem.dtype
   cta_m, cta_n, wg_n, kb = cfg.cta_m, cfg.cta_n, cfg.wg_n, cfg.k_blocks
   m_iters, n_iters, k_steps = mp // cta_m, n // (cta_n * cfg.cluster_size), k // (BLOCK * kb)
   fp8_transforms = _swizzled(BLOCK, 1)  # 128 B rows -> 128 B swizzle
-  bs_cols = _bs_cols(cfg, row_scales)
+  # Columns of bs a CTA needs: its own (row scales) or the replicated scale of each 128-wide block it touches.
+  bs_cols = cta_n if row_scales else _SCALE_REP * max(1, cta_n // BLOCK)
 
   def get_pipeline(body, compute_context, pipeline_state=None):
     return plgpu.emit_pipeline_warp_specialized(
@@ -315,12 +238,28 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
   )
   def _scope(allocs):
     wg = lax.axis_index("wg")
+    minor = {"m": 0, "n": 1}[cfg.grid_minor_dim]
 
     # (1) Persistent loop over output tiles.
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
     def _tile_loop(info: plgpu.NDLoopInfo):
       (lin,) = info.index
-      t = _Tile(cfg, row_scales, lin, m_iters, n_iters, wg, out_gmem, out_smem)
+      m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), minor, cfg.grid_tile_width)
+      if cfg.cluster_n:  # the walk is over cluster tiles; this CTA takes its half
+        n_idx = n_idx * cfg.cluster_size + lax.axis_index("cluster")
+      m0 = m_idx * cta_m
+      n0 = n_idx * cta_n
+      if cfg.split == "m":
+        wg_m_off, wg_n_off = wg * WG_M, 0
+      else:
+        wg_m_off, wg_n_off = 0, wg * wg_n
+      if row_scales:
+        bs_start = n0
+        bs_col = wg_n_off
+      else:
+        nb0 = n0 // BLOCK
+        bs_start = nb0 * _SCALE_REP
+        bs_col = ((n0 + wg_n_off) // BLOCK - nb0) * _SCALE_REP
       pipeline_state = None
       if cfg.cross_tile:  # every CTA has >= 2 tiles (_plan keeps it only then)
         P = plgpu.PipelinePipeline
@@ -328,140 +267,68 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
                                    jnp.where(info.local_index == info.num_local_steps - 1, int(P.STOP),
                                              int(P.STEADY)))
 
+      def operands(a_smem, b_smem, j):
+        """This warpgroup's A (64 x 128) and B^T (128 x wg_n) views of K block j of the step."""
+        a = a_smem.at[pl.ds(wg_m_off, WG_M)]
+        b = b_smem.at[pl.ds(wg_n_off, wg_n)]
+        if kb > 1:
+          a, b = a.at[:, pl.ds(j * BLOCK, BLOCK)], b.at[:, pl.ds(j * BLOCK, BLOCK)]
+        return a, b.transpose((1, 0))
+
+      def scales(as_smem, bs_smem, j):
+        sa = plgpu.load(as_smem.at[j, pl.ds(wg_m_off, WG_M)], layout=plgpu.Layout.WGMMA.reduce(1))
+        if row_scales:
+          sb = plgpu.load(bs_smem.at[j, pl.ds(bs_col, wg_n)], layout=plgpu.Layout.WGMMA.reduce(0))
+        else:
+          sb = bs_smem[j, bs_col]
+        return sa, sb
+
+      def promote(acc, blk, sa, sb):
+        """(3) FP32 promotion of one K block: acc + blk * (a_scale[m] * b_scale[n]); the same code for all configs."""
+        if row_scales:
+          scale = (lax.broadcast_in_dim(sa, (WG_M, wg_n), [0])
+                   * lax.broadcast_in_dim(sb, (WG_M, wg_n), [1]))
+        else:
+          scale = lax.broadcast_in_dim(sa * sb, (WG_M, wg_n), [0])
+        return acc + blk * scale
+
+      def zeros():
+        return plgpu.layout_cast(jnp.zeros((WG_M, wg_n), jnp.float32), plgpu.Layout.WGMMA)
+
+      def epilogue(acc):
+        """(4) registers -> swizzled SMEM -> TMA store (overlaps the next tile's main loop)."""
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        out_smem[wg] = acc.astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            out_smem.at[wg], out_gmem.at[pl.ds(m0 + wg_m_off, WG_M), pl.ds(n0 + wg_n_off, wg_n)])
+
       def compute_context(eval_pipeline):
-        t.epilogue(eval_pipeline(t.zeros()))
+        epilogue(eval_pipeline(zeros()))
 
       def mma_body(_, a_smem, b_smem, as_smem, bs_smem, acc):
         def block_dots(*blk_refs):
           for j, r in enumerate(blk_refs):
-            plgpu.wgmma(r, *t.operands(a_smem, b_smem, j if kb > 1 else None))
+            plgpu.wgmma(r, *operands(a_smem, b_smem, j))
           out = acc
           for j, r in enumerate(blk_refs):  # scale loads overlap the wgmmas in flight
-            s = t.scales(as_smem, bs_smem, j)
+            s = scales(as_smem, bs_smem, j)
             # Block j is promoted while blocks j+1.. still run on the tensor cores.
-            out = t.promote(out, plgpu.wgmma_accumulator_load(r, wait_n=kb - 1 - j), *s)
+            out = promote(out, plgpu.wgmma_accumulator_load(r, wait_n=kb - 1 - j), *s)
           return out
 
         # A fresh (zeroed) FP8 wgmma accumulator per K block.
         return pl.run_scoped(block_dots, *([plgpu.ACC((WG_M, wg_n), jnp.float32)] * kb))
 
       get_pipeline(mma_body, compute_context, pipeline_state)(
-          a_gmem.at[pl.ds(t.m0, cta_m)],
-          b_gmem.at[pl.ds(t.n0, cta_n)],
-          as_gmem.at[:, pl.ds(t.m0, cta_m)],
-          bs_gmem.at[:, pl.ds(t.bs_start, bs_cols)],
+          a_gmem.at[pl.ds(m0, cta_m)],
+          b_gmem.at[pl.ds(n0, cta_n)],
+          as_gmem.at[:, pl.ds(m0, cta_m)],
+          bs_gmem.at[:, pl.ds(bs_start, bs_cols)],
           allocations=allocs,
       )
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _kernel_chain(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: TuningConfig, row_scales: bool):
-  """The ``chain`` schedule (TuningConfig.chain); same refs, tiles and per-element math as ``_kernel``.
-
-  A hand-written warp-specialized pipeline: the producer warpgroup walks the CTA's tiles and their K blocks with
-  one global block counter g, filling ring slot g % S (A, B and both scale rows of one K block; ``full[slot]``
-  counts the four TMA arrivals) after the consumers have released the slot's previous use (``empty[slot]``: one
-  arrival per consumer warpgroup, of both CTAs with cluster_n). Each consumer walks the same tiles and K blocks
-  in chains of ``chain`` blocks unrolled in Python: block j's wgmmas go into a fresh accumulator, then block j-1
-  is awaited (``wgmma_wait(1)``: block j stays in flight), its slot released and it is promoted. Only the last
-  block of a chain waits for an empty wgmma queue, and no wgmma is in flight across the chain loop's back edge.
-  """
-  mp, k = a_gmem.shape
-  n = b_gmem.shape[0]
-  cta_m, cta_n, wg_n, stages, chain = cfg.cta_m, cfg.cta_n, cfg.wg_n, cfg.max_concurrent_steps, cfg.chain
-  m_iters, n_iters, nkb = mp // cta_m, n // (cta_n * cfg.cluster_size), k // BLOCK
-  num_tiles = m_iters * n_iters  # in clusters
-  bs_cols = _bs_cols(cfg, row_scales)
-  fp8_transforms = _swizzled(BLOCK, 1)
-  cluster = ("cluster",) if cfg.cluster_n else None
-  if cluster:  # a slot holds A multicast by both CTAs: it is free when the consumers of both have used it
-    empty_type = plgpu.ClusterBarrier(collective_axes=cluster, num_arrivals=cfg.num_wgs, num_barriers=stages)
-  else:
-    empty_type = plgpu.Barrier(num_arrivals=cfg.num_wgs, num_barriers=stages)
-  memory_registers = 40
-
-  @functools.partial(
-      pl.run_scoped,
-      a_ring=plgpu.SMEM((stages, cta_m, BLOCK), jnp.float8_e4m3fn, transforms=fp8_transforms),
-      b_ring=plgpu.SMEM((stages, cta_n, BLOCK), jnp.float8_e4m3fn, transforms=fp8_transforms),
-      as_ring=plgpu.SMEM((stages, 1, cta_m), jnp.float32),
-      bs_ring=plgpu.SMEM((stages, 1, bs_cols), jnp.float32),
-      full=plgpu.Barrier(num_arrivals=4, num_barriers=stages),
-      empty=empty_type,
-      collective_axes="wg",
-  )
-  def _scope(a_ring, b_ring, as_ring, bs_ring, full, empty):
-    wg = lax.axis_index("wg")
-
-    def producer():
-      plgpu.set_max_registers(memory_registers, action="decrease")
-
-      @plgpu.nd_loop((num_tiles,), collective_axes="sm")
-      def _tiles(info: plgpu.NDLoopInfo):
-        t = _Tile(cfg, row_scales, info.index[0], m_iters, n_iters, 0, out_gmem, out_smem)
-
-        @pl.loop(0, nkb)
-        def _blocks(kk):
-          g = info.local_index * nkb + kk
-          slot = lax.rem(g, stages)
-
-          @pl.when(g >= stages)
-          def _():
-            plgpu.barrier_wait(empty.at[slot])
-
-          ks = pl.ds(kk * BLOCK, BLOCK)
-          bar = full.at[slot]
-          plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(t.m0, cta_m), ks], a_ring.at[slot], bar, collective_axes=cluster)
-          plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(t.n0, cta_n), ks], b_ring.at[slot], bar)
-          plgpu.copy_gmem_to_smem(as_gmem.at[pl.ds(kk, 1), pl.ds(t.m0, cta_m)], as_ring.at[slot], bar)
-          plgpu.copy_gmem_to_smem(bs_gmem.at[pl.ds(kk, 1), pl.ds(t.bs_start, bs_cols)], bs_ring.at[slot], bar)
-
-      # Wait for the consumers' last release of every slot, so that no arrival (a remote one with clusters)
-      # reaches this CTA after it has exited.
-      sm, num_sm = lax.axis_index("sm"), lax.axis_size("sm")
-      total = (num_tiles // num_sm + (sm < num_tiles % num_sm).astype(jnp.int32)) * nkb
-
-      @pl.loop(lax.max(total - stages, 0), total)
-      def _drain(g):
-        plgpu.barrier_wait(empty.at[lax.rem(g, stages)])
-
-    def consumer():
-      plgpu.set_max_registers(((512 - memory_registers) // cfg.num_wgs) // 8 * 8, action="increase")
-
-      @plgpu.nd_loop((num_tiles,), collective_axes="sm")
-      def _tiles(info: plgpu.NDLoopInfo):
-        t = _Tile(cfg, row_scales, info.index[0], m_iters, n_iters, wg, out_gmem, out_smem)
-        base = info.local_index * nkb
-
-        def link(kk, j, prev, out):
-          """Issues block kk + j of the chain; promotes block kk + j - 1 (``prev``) while it runs."""
-          slot = lax.rem(base + kk + j, stages)
-
-          def scope(acc):
-            plgpu.barrier_wait(full.at[slot])
-            plgpu.wgmma(acc, *t.operands(a_ring.at[slot], b_ring.at[slot]))
-            s = t.scales(as_ring.at[slot], bs_ring.at[slot], 0)  # read while the wgmmas run
-            res = out
-            if prev is not None:
-              p_acc, p_scales, p_slot = prev
-              blk = plgpu.wgmma_accumulator_load(p_acc, wait_n=1)
-              plgpu.barrier_arrive(empty.at[p_slot])
-              res = t.promote(res, blk, *p_scales)
-            if j + 1 < chain:
-              return link(kk, j + 1, (acc, s, slot), res)
-            blk = plgpu.wgmma_accumulator_load(acc, wait_n=0)
-            plgpu.barrier_arrive(empty.at[slot])
-            return t.promote(res, blk, *s)
-
-          return pl.run_scoped(scope, plgpu.ACC((WG_M, wg_n), jnp.float32))
-
-        out = lax.fori_loop(0, nkb // chain, lambda c, out: link(c * chain, 0, None, out), t.zeros())
-        t.epilogue(out)
-
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    lax.cond(wg == cfg.num_wgs, producer, consumer)
 
 
 def _validate(a_q, a_s, b_q, b_s):
@@ -509,7 +376,7 @@ def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig
   out_smem_type = plgpu.SMEM((cfg.num_wgs, WG_M, cfg.wg_n), out_dtype,
                              transforms=_swizzled(cfg.wg_n * out_dtype.itemsize, out_dtype.itemsize))
   kernel = plgpu.kernel(
-      functools.partial(_kernel_chain if cfg.chain else _kernel, cfg=cfg, row_scales=row_scales),
+      functools.partial(_kernel, cfg=cfg, row_scales=row_scales),
       out_type=jax.ShapeDtypeStruct((mp, n), out_dtype),
       scratch_types=[out_smem_type],
       grid=(grid,),
