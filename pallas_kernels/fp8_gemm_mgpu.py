@@ -31,7 +31,10 @@ pipeline step so that every promotion overlaps a wgmma (0.64-0.73x: ptxas report
 instructions are serialized due to non wgmma instructions reading accumulator registers of a wgmma between start and
 end of the pipeline stage", once an accumulator stays in flight across the loop's back edge), and an epilogue
 straight from registers to GMEM to free SMEM for a deeper ring (0.72-0.87x); and (commit b96e6b7) the two consumer
-warpgroups taking turns to issue their wgmmas through a shared barrier, FA3-style ping-pong (0.69-0.78x).
+warpgroups taking turns to issue their wgmmas through a shared barrier, FA3-style ping-pong (0.69-0.78x); and
+(commit f08a9a4) a hand-written pipeline with the K loop unrolled into chains, so that no wgmma is in flight across a
+back edge: no C7514, but ptxas spills registers in most builds (0.28-0.61x), and the nearly spill-free builds run at
+0.86-0.99x of this schedule.
 
 Scales reach registers through SMEM: A's scales are passed transposed (K/128, M) so a CTA's 1 x cta_m scale row is a
 TMA-able contiguous block; B's 128x128 tile scales are replicated 32x along N (128 bytes: every ring slot then
