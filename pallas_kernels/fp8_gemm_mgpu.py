@@ -138,7 +138,7 @@ def choose_config(m: int, n: int, k: int, num_sms: int | None = None, row_scales
 
   Every config computes each output element with the same instruction sequence (module docstring, item 3), so the
   choice changes speed, never bits (the GPU tests check configs bitwise). Measured on the H200 (docs/benchmarks.md,
-  "schedule variants"):
+  "Schedule experiments"):
   * M >= 2048 and N >= 16384 (gate_up, lm_head): 192x128 CTAs with three consumer warpgroups (gate_up 1303 TFLOP/s
     vs 1224 for 128x128); for N = 4096 / 6144 they lose (o 1064 vs 1176), so those keep 128x128.
   * M >= 2048: CTAs in pairs along N that share A by TMA multicast (``cluster_n``), and one pipeline across a CTA's
