@@ -242,6 +242,12 @@ class RLTrainer:
     state = TrainState(shapes, jax.eval_shape(tx.init, shapes), jax.ShapeDtypeStruct((), jnp.int32))
     return sharding.tree_shardings(state, self.mesh)
 
+  @staticmethod
+  def _fresh_state(params, tx, shardings: TrainState, step=None) -> TrainState:
+    """``params`` with a new ``tx`` optimizer state (step 0 unless given), placed with ``shardings``."""
+    step = jnp.zeros((), jnp.int32) if step is None else step
+    return jax.device_put(TrainState(params, tx.init(params), step), shardings)
+
   def _param_shapes(self):
     """FP32 master params as ShapeDtypeStructs."""
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), llama.param_shapes(self.cfg),
@@ -275,12 +281,12 @@ class RLTrainer:
     else:
       params = llama.init_params(self.cfg, seed=int(self.c.seed))
       params = jax.device_put(params, sharding.tree_shardings(params, self.mesh))
-    return jax.device_put(TrainState(params, self.tx.init(params), jnp.zeros((), jnp.int32)), self._state_sh)
+    return self._fresh_state(params, self.tx, self._state_sh)
 
   def load_pretrained(self, params):
     """Starts from given master params (e.g. fp8jax.hf.load_params); resets the optimizer."""
     params = jax.device_put(params, sharding.tree_shardings(params, self.mesh))
-    self.state = jax.device_put(TrainState(params, self.tx.init(params), jnp.zeros((), jnp.int32)), self._state_sh)
+    self.state = self._fresh_state(params, self.tx, self._state_sh)
     self.warm_done = True
 
   # -- pieces -------------------------------------------------------------------------------------------------------
@@ -290,15 +296,13 @@ class RLTrainer:
     ws = self.c.warmstart
     if not ws.steps or self.warm_done:
       return {}
-    state = jax.device_put(TrainState(self.state.params, self._sft_tx.init(self.state.params),
-                                      jnp.zeros((), jnp.int32)), self._sft_state_sh)
+    state = self._fresh_state(self.state.params, self._sft_tx, self._sft_state_sh)
     t0 = time.perf_counter()
     for i in range(ws.steps):
       sb = self.task.supervised_examples(ws.batch, step=i, seq_len=self.scfg.max_len)
       batch = {"tokens": sb.tokens_NxL, "mask": sb.loss_mask_NxL[:, 1:]}
       state, m = self._sft_step(state, sharding.shard_batch(batch, self.mesh))
-    self.state = jax.device_put(TrainState(state.params, self.tx.init(state.params), self.state.step),
-                                self._state_sh)
+    self.state = self._fresh_state(state.params, self.tx, self._state_sh, step=self.state.step)
     self.warm_done = True
     self.kv_scales = None  # recalibrate FP8 KV scales for the warm-started weights
     return {"warmstart_nll": float(m["nll"]), "warmstart_s": time.perf_counter() - t0}
