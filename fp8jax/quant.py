@@ -141,10 +141,11 @@ def _check_multiple(dim: int, what: str):
                      f"(pad it with fp8jax.quant.pad_k, which adds zeros)")
 
 
-def pad_k(x: jax.Array, axis: int = -1) -> jax.Array:
-  """Zero-pads ``axis`` to a multiple of 128 (zeros contribute exactly nothing to a dot product)."""
+def pad_k(x: jax.Array, axis: int = -1, multiple: int = BLOCK) -> jax.Array:
+  """Zero-pads ``axis`` to a multiple of ``multiple`` (128 by default; zeros contribute exactly nothing to a dot
+  product)."""
   axis = axis % x.ndim
-  pad = (-x.shape[axis]) % BLOCK
+  pad = (-x.shape[axis]) % multiple
   if pad == 0:
     return x
   widths = [(0, 0)] * x.ndim

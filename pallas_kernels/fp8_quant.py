@@ -55,12 +55,6 @@ def _act_t_kernel(x_ref, q_ref, s_ref, *, pow2: bool, native_cast: bool):
   q_ref[...], s_ref[...] = _quantize_rows(x_ref[...].T, pow2, native_cast)
 
 
-def _pad_to(x, axis: int, multiple: int):
-  """Zero-pads 2-D ``x`` along ``axis`` to a multiple of ``multiple``."""
-  pad = (-x.shape[axis]) % multiple
-  return jnp.pad(x, [(0, pad) if a == axis else (0, 0) for a in range(2)]) if pad else x
-
-
 def _check_2d(x, name: str):
   if x.ndim != 2:
     raise ValueError(f"{name} takes a 2-D (tokens, features) array, got shape {tuple(x.shape)}")
@@ -78,7 +72,7 @@ def quantize_act(x: jax.Array, pow2: bool = False, *, block_m: int = 64, num_war
   _check_2d(x2, "quantize_act kernel")
   m = x2.shape[0]
   bm = min(block_m, pl.next_power_of_2(m))
-  xp = _pad_to(x2, 0, bm)
+  xp = quant.pad_k(x2, 0, bm)
   mp, kb = xp.shape[0], k // BLOCK
   q, s = pl.pallas_call(
       functools.partial(_act_kernel, pow2=pow2, native_cast=not interpret),
@@ -99,7 +93,7 @@ def quantize_act_t(x_MxK: jax.Array, pow2: bool = False, *, block_k: int = 64, n
   _check_2d(x_MxK, "quantize_act_t kernel")
   k = x_MxK.shape[1]
   bk = min(block_k, pl.next_power_of_2(k))
-  xp = _pad_to(_pad_to(x_MxK, 0, BLOCK), 1, bk)  # ragged K: the padded feature rows are sliced off again
+  xp = quant.pad_k(quant.pad_k(x_MxK, 0), 1, bk)  # ragged K: the padded feature rows are sliced off again
   mp, kp = xp.shape
   q, s = pl.pallas_call(
       functools.partial(_act_t_kernel, pow2=pow2, native_cast=not interpret),
