@@ -162,12 +162,25 @@ def test_rerun_of_a_finished_run_says_so_and_summarizes_it(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_default_learns(tmp_path):
-  """The README's main job, shortened: validation accuracy rises by a clear margin."""
+  """The README's main job: GRPO improves on the warm start it started from, on any CPU.
+
+  XLA:CPU rounds differently on different CPUs, so the trajectory differs by machine (seen: the warm start reached
+  0.465 on one Intel machine and 0.754 on an AMD EPYC; GRPO then reached 0.875 and 0.910). Asserted here is what
+  held on both and does not depend on where the warm start landed:
+  * the final greedy accuracy (256 held-out problems) is >= 0.8 (both machines: >= 0.875);
+  * GRPO removes at least a third of the warm start's errors (measured: 77% and 63% of them); a 256-problem
+    accuracy has a sampling std of <= 0.031, so this is a large effect, not noise;
+  * the mean training reward of the last 30 steps exceeds that of the first 30 by >= 0.1 (AMD: 0.61 -> 0.82).
+  """
   c = tiny_fp8.get_config()
   c.checkpoint.every = 10**6
   hist = trainer_lib.RLTrainer(c, str(tmp_path)).run(progress=False)
   accs = [h["val_accuracy"] for h in hist if "val_accuracy" in h]
-  assert accs[-1] >= accs[0] + 0.25, accs  # measured: 0.465 -> 0.875 (README)
+  rewards = [h["reward_mean"] for h in hist if "reward_mean" in h]
+  assert len(rewards) == c.train.steps
+  assert accs[-1] >= 0.8, accs
+  assert 1 - accs[-1] <= (2 / 3) * (1 - accs[0]), accs
+  assert np.mean(rewards[-30:]) >= np.mean(rewards[:30]) + 0.1, (rewards[:30], rewards[-30:])
 
 
 def test_llama8b_recipe_says_what_to_download(tmp_path):
