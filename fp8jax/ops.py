@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +55,7 @@ class LinearConfig:
 # ------------------------------------------------------------------------------------------------------------------
 
 _REPORT: dict[str, str] = {}
+BACKENDS = ("auto", "xla", "pallas")
 
 
 def hopper_available() -> bool:
@@ -79,31 +79,45 @@ def _pallas_quant():
   return fp8_quant
 
 
+def _gemm_probe():
+  if not hopper_available():
+    return False, "no sm_90 GPU"
+  try:
+    _pallas_gemm()
+    _pallas_quant()
+  except ImportError as e:  # kernel module missing or broken: say so, never silently
+    return False, f"pallas kernel unavailable ({e})"
+  return True, "sm_90 GPU"
+
+
 def resolve_backend(requested: str) -> str:
-  """'auto' | 'xla' | 'pallas' -> the backend that will run; logs the choice once per (request, result)."""
-  if requested not in ("auto", "xla", "pallas"):
-    raise ValueError(f"unknown fp8 gemm backend {requested!r} (expected 'auto', 'xla' or 'pallas')")
-  chosen, why = "xla", "requested"
-  if requested != "xla":
-    why = "no sm_90 GPU"
-    if hopper_available():
-      try:
-        _pallas_gemm()
-        _pallas_quant()
-        chosen, why = "pallas", "sm_90 GPU"
-      except ImportError as e:  # kernel module missing or broken: say so, never silently
-        why = f"pallas kernel unavailable ({e})"
-    if requested == "pallas" and chosen != "pallas":
-      raise RuntimeError(f"fp8.gemm_backend='pallas' cannot run here: {why}; use 'xla' or 'auto'")
-  key = f"{requested}->{chosen}"
-  if key not in _REPORT:
-    _REPORT[key] = why
-    log.warning("fp8jax: fp8 gemm backend %r resolved to %r (%s)", requested, chosen, why)
+  """'auto' | 'xla' | 'pallas' -> the GEMM backend that will run; logs the choice once per (request, result)."""
+  return choose_backend(requested, what="fp8 gemm", config_key="fp8.gemm_backend", probe=_gemm_probe)
+
+
+def choose_backend(requested: str, *, what: str, config_key: str, probe, prefix: str = "") -> str:
+  """The one backend switch (GEMMs, attention): 'auto' | 'xla' | 'pallas' -> 'pallas' or 'xla'.
+
+  ``probe()`` -> (True, why) where the kernels run these operands here, else (False, why). 'auto' takes the kernels
+  when they run, 'pallas' raises where they do not; each outcome is logged once and listed by ``backend_report``.
+  """
+  if requested not in BACKENDS:
+    raise ValueError(f"unknown {what} backend {requested!r} ({config_key}: expected one of {BACKENDS})")
+  ok, why = (False, "requested") if requested == "xla" else probe()
+  if requested == "pallas" and not ok:
+    raise RuntimeError(f"{config_key}='pallas' cannot run here: {why}; use 'xla' or 'auto'")
+  chosen = "pallas" if ok else "xla"
+  key = f"{prefix}{requested}->{chosen}"
+  if why not in _REPORT.get(key, "").split("; "):  # every distinct reason is kept: a fallback for one shape is not
+    _REPORT[key] = why if key not in _REPORT else f"{_REPORT[key]}; {why}"  # hidden by an earlier choice
+    log.warning("fp8jax: %s backend %r resolved to %r (%s)", what, requested, chosen, why)
   return chosen
 
 
 def backend_report() -> dict[str, str]:
-  """Which GEMM backends were resolved in this process, and why (for metrics and logs)."""
+  """Which GEMM and attention backends were resolved in this process, and why (for metrics and logs).
+
+  Keys are ``requested->chosen`` for the GEMMs and ``attention:requested->chosen`` for attention."""
   return dict(_REPORT)
 
 
@@ -144,13 +158,10 @@ def _per_device(cfg: LinearConfig, m: int):
   axes (e.g. a single decode row), or for the "xla" backend (XLA partitions its own ops). Tensor parallelism of the
   FP8 GEMMs is not implemented: over a ``tensor`` axis the weights are gathered and the work repeated.
   """
-  mesh = cfg.mesh
-  if mesh is None or mesh.size == 1 or resolve_backend(cfg.backend) != "pallas":
+  if cfg.mesh is None or cfg.mesh.size == 1 or resolve_backend(cfg.backend) != "pallas":
     return None
-  axes = tuple(a for a in sharding.BATCH_AXES if mesh.shape.get(a, 1) > 1)
-  if not axes or m % math.prod(mesh.shape[a] for a in axes):
-    return None
-  return mesh, axes
+  axes = sharding.split_batch_axes(cfg.mesh, m)
+  return None if axes is None else (cfg.mesh, axes)
 
 
 def _rowwise(fn, cfg: LinearConfig, m: int, n_rows: int = 1, n_replicated: int = 0, sum_rows: bool = False):

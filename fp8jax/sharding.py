@@ -73,6 +73,17 @@ def tree_shardings(tree, mesh: Mesh):
   return jax.tree_util.tree_map_with_path(lambda p, x: NamedSharding(mesh, spec_for(p, x.shape, mesh)), tree)
 
 
+def split_batch_axes(mesh: Mesh | None, m: int) -> tuple[str, ...] | None:
+  """The batch axes of ``mesh`` that split an (m, ...) array's first dim across devices, or None (no mesh, one
+  device, no batch axis larger than 1, or m not divisible): where opaque kernels run per device (``shard_map``)."""
+  if mesh is None or mesh.size == 1:
+    return None
+  axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+  if not axes or m % math.prod(mesh.shape[a] for a in axes):
+    return None
+  return axes
+
+
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
