@@ -25,7 +25,7 @@ def get_config(arg=None):
   c.model = ml_collections.ConfigDict(dict(
       vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
       norm_eps=1e-5, rope_theta=500000.0, rope_scaling=(8.0, 1.0, 4.0, 8192), tie_embeddings=False, qk_norm=False,
-      max_seq_len=4096, dtype="bfloat16", remat=True))
+      max_seq_len=4096, dtype="bfloat16", remat=True, attn_backend="auto"))
   c.fp8.kv_cache = "fp8"  # FP8 KV cache + scales recalibrated from the training forward each step
   c.data = ml_collections.ConfigDict(dict(
       path="", prompt_field="problem", answer_field="expected_answer", template=COT_TEMPLATE, val_size=256,

@@ -23,7 +23,8 @@ def get_config(arg=None):
   c.model = ml_collections.ConfigDict(dict(
       vocab_size=128, dim=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=128, ffn_dim=512,
       norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_embeddings=False, qk_norm=False, max_seq_len=64,
-      dtype="bfloat16", remat=False))
+      dtype="bfloat16", remat=False,
+      attn_backend="auto"))  # fp8jax.attention: "auto" (Pallas kernels on a CUDA GPU, else the reference) | "xla" | "pallas"
 
   # FP8 recipe (fp8jax.quant.Recipe): block FP8 for every linear layer, FP8 KV cache in rollouts.
   c.fp8 = ml_collections.ConfigDict(dict(

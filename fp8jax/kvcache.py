@@ -1,7 +1,9 @@
 """KV cache for the sampler (BF16 or FP8 E4M3), and the K/V quantization the trainer shares with it.
 
-Layout: per decoder layer, ``k`` and ``v`` are (slots, max_len, n_kv_heads, head_dim); slot ``j`` of a row holds
+Layout: per decoder layer, ``k`` and ``v`` are (slots, length, n_kv_heads, head_dim); slot ``j`` of a row holds
 the key/value of the token at position ``j`` (post-RoPE keys). A query at position ``p`` attends slots ``j <= p``.
+The length is the requested ``max_len`` rounded up to the attention op's 128-key block (``padded_len``), so the
+kernels read whole blocks without a padded copy of the cache; the sampler still stops sequences at its max_len.
 
 FP8 cache: one FP32 scale per layer for K and one for V (per-tensor, as vLLM's FP8 KV cache). On write the values
 are quantized with ``quantize_kv``; attention reads the E4M3 codes (upcast exactly to BF16) and multiplies the
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax import quant
+from pallas_kernels.attention import BLOCK_KV
 
 
 @jax.tree_util.register_dataclass
@@ -39,6 +42,7 @@ class KVCache:
 
   @property
   def max_len(self) -> int:
+    """Allocated positions per slot (``padded_len`` of the requested length)."""
     return self.k[0].shape[1]
 
   @property
@@ -46,14 +50,19 @@ class KVCache:
     return self.k[0].shape[0]
 
 
+def padded_len(max_len: int) -> int:
+  """The cache length allocated for ``max_len`` positions: a whole number of attention key blocks."""
+  return -(-max_len // BLOCK_KV) * BLOCK_KV
+
+
 def cache_bytes(n_layers: int, slots: int, max_len: int, n_kv_heads: int, head_dim: int, fp8: bool) -> int:
-  return 2 * n_layers * slots * max_len * n_kv_heads * head_dim * (1 if fp8 else 2)
+  return 2 * n_layers * slots * padded_len(max_len) * n_kv_heads * head_dim * (1 if fp8 else 2)
 
 
 def init_cache(n_layers: int, slots: int, max_len: int, n_kv_heads: int, head_dim: int, *, fp8: bool,
                k_scale_L=None, v_scale_L=None, dtype=jnp.bfloat16) -> KVCache:
   dt = quant.FP8_DTYPE if fp8 else dtype
-  shape = (slots, max_len, n_kv_heads, head_dim)
+  shape = (slots, padded_len(max_len), n_kv_heads, head_dim)
   ones = jnp.ones((n_layers,), jnp.float32)
   return KVCache(k=[jnp.zeros(shape, dt) for _ in range(n_layers)], v=[jnp.zeros(shape, dt) for _ in range(n_layers)],
                  k_scale_L=ones if k_scale_L is None else jnp.array(k_scale_L, jnp.float32, copy=True),

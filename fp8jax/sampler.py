@@ -193,7 +193,7 @@ class Sampler:
   def _decode(self, params, state: _State, sp: SamplingParams, steps: int, base_key):
     c, max_new = self.cfg, sp.max_new_tokens
     stop_ids = jnp.asarray(sp.stop_token_ids or (-1,), jnp.int32)
-    max_len = state.cache.max_len
+    max_len = self.scfg.max_len  # the cache may hold more (whole attention blocks); sequences stop here
 
     def step(_, st: _State):
       active = st.slot_req >= 0

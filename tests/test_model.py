@@ -76,7 +76,9 @@ def test_full_sequence_equals_token_by_token_decode(params, recipe):
 
 # FP8 vs BF16 logits: each GEMM carries ~3% relative error (tests/test_ops.py); over a few layers of a random
 # model the errors partly average out. Documented bound: relative Frobenius error of the logits < 0.1, and the
-# per-token top-1 agrees on >= 90% of tokens.
+# top-1 token agrees wherever BF16's winner leads the runner-up by more than 4x the RMS FP8 logit error (a random
+# model's logits are nearly tied on many tokens, so top-1 over all tokens measures ties, not FP8: it moved between
+# 0.86 and 0.94 with the seed of the tokens and with an FP32-rounding-level change of the attention math).
 FP8_LOGITS_REL_BOUND = 0.1
 
 
@@ -88,7 +90,11 @@ def test_fp8_recipe_close_to_bf16(params):
   lb_c, l8_c = lb - lb.mean(-1, keepdims=True), l8 - l8.mean(-1, keepdims=True)
   rel = np.linalg.norm(l8_c - lb_c) / np.linalg.norm(lb_c)
   assert 0 < rel < FP8_LOGITS_REL_BOUND, rel
-  assert np.mean(lb.argmax(-1) == l8.argmax(-1)) >= 0.9
+  err = np.sqrt(np.mean((l8_c - lb_c) ** 2))
+  top2 = np.sort(lb, -1)[..., -2:]
+  clear = (top2[..., 1] - top2[..., 0]) > 4 * err
+  assert clear.mean() >= 0.25, clear.mean()  # enough clear winners for the check to mean something
+  np.testing.assert_array_equal(lb.argmax(-1)[clear], l8.argmax(-1)[clear])
 
 
 def test_kept_layers_are_bf16_and_change_results(params):

@@ -30,6 +30,7 @@ class ModelConfig:
   max_seq_len: int = 8192
   dtype: str = "bfloat16"  # activation / compute dtype; master params are float32
   remat: bool = False  # rematerialize each decoder layer in the backward pass
+  attn_backend: str = "auto"  # fp8jax.attention: "auto" (Pallas kernels on a CUDA GPU, else the reference) | "xla" | "pallas"
 
   def __post_init__(self):
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
@@ -37,6 +38,8 @@ class ModelConfig:
         raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}")
+    if self.attn_backend not in ("auto", "xla", "pallas"):
+      raise ValueError(f"model.attn_backend must be 'auto', 'xla' or 'pallas', got {self.attn_backend!r}")
     if self.head_dim % 2:
       raise ValueError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
 

@@ -23,6 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from fp8jax import attention as attn
 from fp8jax import kvcache as kvc
 from fp8jax import ops
 from fp8jax.model.config import ModelConfig
@@ -68,8 +69,12 @@ def _amax(x):
   return jnp.max(jnp.abs(x.astype(jnp.float32)))
 
 
-def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, layer: int, cache, kv_scales):
-  """GQA attention. Returns (out, new cache layer (k, v) or None, (amax K, amax V))."""
+def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, layer: int, cache, kv_scales,
+              own_positions: bool = False):
+  """GQA attention (``fp8jax.attention.attend``). Returns (out, new cache layer (k, v) or None, (amax K, amax V)).
+
+  ``own_positions``: no cache and the positions are 0..T-1 (the training form, differentiable on every backend).
+  """
   b, t, _ = x_BxTxD.shape
   hq, hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
   q = ops.linear(x_BxTxD, p["wq"], lcfg).reshape(b, t, hq, hd)
@@ -80,38 +85,28 @@ def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, la
   q, k = apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq)
   amax = (_amax(k), _amax(v))
 
-  # K/V enter attention as (codes, scale): BF16 values with scale 1, or FP8 E4M3 codes (upcast exactly to BF16)
-  # whose per-layer scale multiplies the FP32 scores / outputs after the dots. The trainer (kv_scales) and the
-  # sampler (FP8 cache) run this same math on the same codes, and the cache is read as FP8 (half the bytes).
+  # K/V enter attention as (codes, scale): BF16 values with scale 1, or FP8 E4M3 codes whose per-layer scales
+  # multiply the FP32 scores / outputs after the dots. The trainer (kv_scales: the codes as BF16 values) and the
+  # sampler (the FP8 cache, read as FP8: half the bytes) run the same attention op on the same codes.
   new_layer = None
-  one = jnp.ones((), jnp.float32)
   if cache is None:
-    sk, sv = (one, one) if kv_scales is None else (kv_scales[0][layer], kv_scales[1][layer])
+    sk = sv = None
     if kv_scales is not None:  # training with an FP8 rollout cache: the same quantization, straight-through
+      sk, sv = kv_scales[0][layer], kv_scales[1][layer]
       k, v = kvc.kv_codes(k, sk), kvc.kv_codes(v, sv)
-    keys, values = k, v
-    key_pos = jnp.arange(t)
+    out = attn.attend(q, k, v, None if own_positions else positions_BxT, k_scale=sk, v_scale=sv,
+                      backend=cfg.attn_backend, mesh=lcfg.mesh)
   else:
     ck, cv = cache.k[layer], cache.v[layer]
+    sk = sv = None
     if cache.is_fp8:
       sk, sv = cache.k_scale_L[layer], cache.v_scale_L[layer]
       ck = kvc.write(ck, kvc.quantize_kv(k, sk), positions_BxT)
       cv = kvc.write(cv, kvc.quantize_kv(v, sv), positions_BxT)
     else:
-      sk, sv = one, one
       ck, cv = kvc.write(ck, k, positions_BxT), kvc.write(cv, v, positions_BxT)
-    keys, values = ck.astype(k.dtype), cv.astype(v.dtype)
     new_layer = (ck, cv)
-    key_pos = jnp.arange(ck.shape[1])
-
-  g = hq // hkv
-  qg = q.reshape(b, t, hkv, g, hd)
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32) * (sk * (1 / math.sqrt(hd)))
-  mask_BxTxS = key_pos[None, None, :] <= positions_BxT[:, :, None]
-  scores = jnp.where(mask_BxTxS[:, None, None], scores, -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1).astype(x_BxTxD.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=jnp.float32)
-  out = (out * sv).astype(x_BxTxD.dtype)
+    out = attn.attend(q, ck, cv, positions_BxT, k_scale=sk, v_scale=sv, backend=cfg.attn_backend, mesh=lcfg.mesh)
   return ops.linear(out.reshape(b, t, hq * hd), p["wo"], lcfg), new_layer, amax
 
 
@@ -141,6 +136,7 @@ def forward(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.L
   cache the cache's own scales are used). Logits: ``logits(params, hidden, cfg)``.
   """
   b, t = tokens_BxT.shape
+  own_positions = positions_BxT is None and cache is None
   if positions_BxT is None:
     if cache is not None:
       raise ValueError("forward with a KV cache needs positions_BxT (where to write the new tokens)")
@@ -152,7 +148,7 @@ def forward(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.L
 
   def layer_fn(p, x, layer_cache, i):
     h, new_layer, amax = attention(p, rms_norm(x, p["attn_norm"], cfg.norm_eps), positions_BxT, cfg, lcfg, inv_freq,
-                                   layer=i, cache=layer_cache, kv_scales=kv_scales)
+                                   layer=i, cache=layer_cache, kv_scales=kv_scales, own_positions=own_positions)
     x = x + h
     x = x + mlp(p, rms_norm(x, p["mlp_norm"], cfg.norm_eps), lcfg)
     return x, new_layer, amax

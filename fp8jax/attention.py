@@ -1,0 +1,134 @@
+"""The attention op: one call for the training forward, prefill and decode, on one numerics contract.
+
+``attend(q, k, v, positions, ...)`` is what the model calls (fp8jax/model/llama.py). The contract (fixed 128-key
+blocks visited in order, the same online-softmax update for every query row, no split over keys) is written out
+in ``pallas_kernels.attention``; both backends follow it:
+
+* "pallas": the kernels of ``pallas_kernels.attention_triton`` (one tile body for the three callers, so decode rows
+  equal the training rows bit for bit on the GPU), with a custom VJP whose backward is a flash backward: no T x T
+  tensor in the forward or the backward;
+* "xla": ``attention_reference`` in plain jnp (autodiff gives its gradient). On CPU its rows are computed with
+  shape-independent code, so decode rows equal training rows bit for bit there too (tests/test_attention.py).
+"auto" picks "pallas" on a CUDA GPU and "xla" elsewhere; operands the kernels do not take (head_dim, dtype) fall
+back to the reference with a logged warning, and every choice is listed in ``ops.backend_report()`` under
+``attention:``, so a change of numerics is never silent. "pallas" raises where the kernels cannot run.
+
+K/V forms: BF16 values (scales 1), or E4M3 codes with per-layer FP32 scales applied after the dots (the FP8 KV
+recipe): the cache's float8_e4m3fn arrays in the sampler, the same codes as BF16 values (``kvcache.kv_codes``,
+straight-through) in the trainer. ``k_scale`` goes into the scores, ``v_scale`` into the output.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax import ops, sharding
+from pallas_kernels import attention as ref
+
+@functools.cache
+def _kernels():
+  from pallas_kernels import attention_triton  # noqa: PLC0415 (imports the Pallas Triton backend only when asked for)
+  return attention_triton
+
+
+def _gpu_available() -> bool:
+  try:
+    return jax.devices()[0].platform == "gpu"
+  except RuntimeError:
+    return False
+
+
+def resolve_backend(requested: str, q, k) -> str:
+  """'auto' | 'xla' | 'pallas' -> the backend that runs these operands (``ops.choose_backend``)."""
+  def probe():
+    if not _gpu_available():
+      return False, "no CUDA GPU"
+    try:
+      why = _kernels().unsupported(q, k)
+    except ImportError as e:  # kernel module missing or broken: say so, never silently
+      return False, f"pallas kernels unavailable ({e})"
+    return (True, "CUDA GPU") if why is None else (False, f"fallback to the reference: {why}")
+
+  return ops.choose_backend(requested, what="attention", config_key="model.attn_backend", probe=probe,
+                            prefix="attention:")
+
+
+def _scales(d: int, k_scale, v_scale):
+  """(qk_scale, v_scale) FP32 scalars: scores in log2 units, k_scale / sqrt(D) * log2(e) times the raw dot."""
+  c = jnp.float32(ref.LOG2E / math.sqrt(d))
+  qk = c if k_scale is None else jnp.asarray(k_scale, jnp.float32) * c
+  return qk, jnp.float32(1.0) if v_scale is None else jnp.asarray(v_scale, jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash_train(q, k, v, qk_scale, v_scale, cfg):
+  return _flash_train_fwd(q, k, v, qk_scale, v_scale, cfg)[0]
+
+
+def _positions(q):
+  b, t = q.shape[:2]
+  return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+def _flash_train_fwd(q, k, v, qk_scale, v_scale, cfg):
+  out, lse = _kernels().attention_seq(q, k, v, _positions(q), qk_scale, v_scale, config=cfg)
+  return out, (q, k, v, qk_scale, v_scale, out, lse)
+
+
+def _flash_train_bwd(cfg, res, do):
+  q, k, v, qk_scale, v_scale, out, lse = res
+  dq, dk, dv = _kernels().attention_seq_bwd(q, k, v, _positions(q), qk_scale, v_scale, out, lse, do,
+                                            causal_rows=True, config=cfg)
+  return dq, dk, dv, jnp.zeros_like(qk_scale), jnp.zeros_like(v_scale)
+
+
+_flash_train.defvjp(_flash_train_fwd, _flash_train_bwd)
+
+
+def _per_device(fn, mesh, b: int, n_batched: int, n_replicated: int = 2):
+  """``fn`` per device on its sequences under ``shard_map`` (batch axes of ``mesh``), else ``fn`` as is.
+
+  Pallas kernels are opaque to XLA's SPMD partitioner: inside a sharded jit their operands would be gathered and
+  every device would compute every sequence. Attention rows of different sequences are independent, so running
+  each device's sequences locally is the same computation (bitwise, the kernels being batch invariant).
+  """
+  axes = sharding.split_batch_axes(mesh, b)
+  if axes is None:
+    return fn
+  P = jax.sharding.PartitionSpec
+  return jax.shard_map(fn, mesh=mesh, in_specs=(P(axes),) * n_batched + (P(),) * n_replicated, out_specs=P(axes),
+                       check_vma=False)
+
+
+def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None, v_scale=None,
+           backend: str = "auto", mesh=None):
+  """Causal GQA attention -> out_BxTxHxD in q's dtype (contract: ``pallas_kernels.attention``).
+
+  positions_BxT=None: the training form, queries and keys are the same T positions 0..T-1 (differentiable in q, k,
+  v). Otherwise the cache form (prefill T > 1, decode T = 1): query t of row b is at positions_BxT[b, t] and sees the
+  cache entries 0..positions_BxT[b, t] (forward only). k/v: BF16 values or codes, or float8_e4m3fn codes (cache).
+  ``mesh``: with the pallas backend on a multi-device mesh, each device attends its own sequences.
+  """
+  b, t, h, d = q_BxTxHxD.shape
+  if positions_BxT is None and k_BxSxKxD.shape[1] != t:
+    raise ValueError(f"attend: the training form (no positions) needs as many keys as queries, got q "
+                     f"{q_BxTxHxD.shape} and k {k_BxSxKxD.shape}; pass positions_BxT for a cache")
+  pos = _positions(q_BxTxHxD) if positions_BxT is None else positions_BxT.astype(jnp.int32)
+  ref.check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos)
+  qk_scale, vs = _scales(d, k_scale, v_scale)
+  if resolve_backend(backend, q_BxTxHxD, k_BxSxKxD) == "xla":
+    return ref.attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, qk_scale, vs)[0]
+  kern = _kernels()
+  cfg = kern.TuningConfig()
+  if positions_BxT is None:
+    fn = lambda q, k, v, qs, s: _flash_train(q, k, v, qs, s, cfg)  # noqa: E731
+    return _per_device(fn, mesh, b, 3)(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, qk_scale, vs)
+  if t == 1:
+    fn = lambda q, k, v, p, qs, s: kern.attention_heads(q[:, 0], k, v, p[:, 0], qs, s, config=cfg)[:, None]  # noqa
+  else:
+    fn = lambda q, k, v, p, qs, s: kern.attention_seq(q, k, v, p, qs, s, config=cfg)[0]  # noqa: E731
+  return _per_device(fn, mesh, b, 4)(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, qk_scale, vs)

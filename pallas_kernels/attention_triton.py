@@ -1,0 +1,333 @@
+"""Flash attention for training, prefill and decode in Pallas (Triton backend): one tile body for every caller.
+
+Math and operands: ``pallas_kernels.attention`` (the contract and its plain-jnp reference). Every query row goes
+through ``_attend_tile``: a (block_q x D) tile of query rows with their positions, looping over 128-key blocks of
+one key/value head in increasing order with the online-softmax update of the contract. Two entry points feed it:
+* ``attention_seq``: rows are consecutive positions of one query head (training forward, prefill); grid
+  (B, H, T / block_q); the forward also writes the row's log-sum-exp for the backward pass;
+* ``attention_heads``: rows are the G query heads of one key/value head at one position (decode: one new token per
+  slot over the slot's cache), zero-padded to block_q rows; grid (B, K, ceil(G / block_q)).
+Both compile the same body, and every tile gives each warpgroup 64 whole rows (``TuningConfig``), so a decode row and
+the training row at the same position run the same instructions on the same numbers: bitwise equal (tested on the
+H200). A tile visits key
+blocks up to its last row's position only, so decode reads the filled part of each slot's cache (length aware),
+and causal training skips the blocks above the diagonal; no S x S (or T x T) tensor exists anywhere.
+
+Keys come as BF16 or as float8_e4m3fn codes (the FP8 KV cache), upcast exactly to BF16 in registers; the FP8
+cache's scales are the two FP32 scalars ``qk_scale`` (into the scores) and ``v_scale`` (into the output). The
+training forward passes the same codes as BF16 values (``fp8jax.kvcache.kv_codes``), so both see identical operands.
+
+Backward (``attention_seq_bwd``, FlashAttention-2's recomputation, Dao 2023 sec. 3.2): the row statistic
+lse = m + log2(l) from the forward gives P = exp2(s - lse) per block again; delta = rowsum(dO * O) (an XLA
+reduction); one kernel per key block accumulates dK, dV over the query tiles and the G heads that see it (no atomics,
+no per-head dK copies), another per query tile accumulates dQ over its key blocks.
+
+Why the Triton backend of Pallas: one kernel body must serve three callers bit for bit, run in interpret mode on CPU
+(so CI checks this exact body against the reference) and read FP8 or BF16 keys; Triton lowers the dynamic,
+data-dependent loop bounds (per-slot lengths) and masked tiles directly. The Hopper-specific Mosaic GPU version
+(warp-specialized, TMA, wgmma pipelining as in FlashAttention-3) is the next step for speed; docs/benchmarks.md has the
+measured figures of this one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.attention import BLOCK_KV, check_operands, pad_keys
+
+HEAD_DIMS = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+  """Tile and launch settings of the forward (training / prefill: block_q, num_warps, num_stages; decode: decode_*)
+  and of the backward.
+
+  Bits: a row's arithmetic is fixed by the warpgroup that owns it. Triton gives each warpgroup (4 warps) of a tile
+  64 whole rows, reduced over the 128 keys of a block inside the warpgroup, so any tile of 64 rows per warpgroup
+  (64 x 4 warps, 128 x 8 warps) computes a row with the same instructions; decode and training may then use
+  different tile heights and still agree bit for bit. That is a property of the compiler's layout, not of the
+  language, so it is tested on the GPU for the default config (tests/test_attention.py) and for every config of
+  ``bench_attention.py --sweep`` (docs/benchmarks.md lists which agree). block_q divides BLOCK_KV, so the rows of a training tile all end in the
+  same key block. The stages only pipeline loads (speed, not bits); the backward's blocks are free (it recomputes P
+  from the forward's row lse).
+  """
+
+  block_q: int = 128
+  num_warps: int = 8
+  num_stages: int = 3
+  decode_block_q: int = 64
+  decode_num_warps: int = 4
+  decode_num_stages: int = 2  # FP8 K/V (the upcast in registers competes with a deeper ring: 3 stages measured slower)
+  decode_num_stages_bf16: int = 3
+  bwd_block_q: int = 64
+  bwd_block_kv: int = 64
+  bwd_num_warps: int = 4
+  bwd_num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("bwd_block_q", "bwd_block_kv"):
+      if getattr(self, name) not in (16, 32, 64, 128):
+        raise ValueError(f"TuningConfig.{name} must be 16, 32, 64 or 128 (divide {BLOCK_KV}), got {self}")
+    for name in ("block_q", "decode_block_q"):
+      if getattr(self, name) not in (16, 32, 64, 128):
+        raise ValueError(f"TuningConfig.{name} must be 16, 32, 64 or 128 (divide {BLOCK_KV}), got {self}")
+    for name in ("num_warps", "decode_num_warps", "bwd_num_warps"):
+      if getattr(self, name) not in (1, 2, 4, 8):
+        raise ValueError(f"TuningConfig.{name} must be 1, 2, 4 or 8, got {getattr(self, name)}")
+
+
+def unsupported(q, k) -> str | None:
+  """Why the kernels cannot take these operands (None if they can): the caller logs it and uses the reference."""
+  d = q.shape[-1]
+  if d not in HEAD_DIMS:
+    return f"head_dim {d} (kernels take {HEAD_DIMS})"
+  if jnp.dtype(q.dtype) != jnp.dtype(jnp.bfloat16):
+    return f"q dtype {q.dtype} (kernels take bfloat16)"
+  if jnp.dtype(k.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn)):
+    return f"k/v dtype {k.dtype} (kernels take bfloat16 or float8_e4m3fn)"
+  return None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The tile body (shared by decode, prefill and the training forward)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _update(carry, q, kb, vb, start, key, pos, last, qk_scale, *, masked: bool):
+  """One key block of the contract's online softmax for a tile of rows (exact whether or not ``masked``, when
+  every key of the block is visible to every row: the masks then select nothing)."""
+  m, l, acc = carry
+  if masked:  # keys past the tile's last row (stale cache rows, padding) enter only as zeros
+    vb = jnp.where((key <= last)[:, None], vb, jnp.zeros((), vb.dtype))
+  s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * qk_scale
+  if masked:
+    s = jnp.where(key[None, :] <= pos[:, None], s, -jnp.inf)
+  m_new = jnp.maximum(m, jnp.max(s, axis=1))
+  m0 = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m - m0)
+  p = jnp.exp2(s - m0[:, None])
+  l_new = l * alpha + jnp.sum(p, axis=1)
+  acc_new = acc * alpha[:, None] + lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())),
+                                                   preferred_element_type=jnp.float32)
+  if not masked:
+    return m_new, l_new, acc_new
+  active = start <= pos  # a row's state changes only in the blocks up to its own position
+  return (jnp.where(active, m_new, m), jnp.where(active, l_new, l), jnp.where(active[:, None], acc_new, acc))
+
+
+def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int):
+  """(block_q, D) query rows at positions ``pos`` over key/value head ``kvh`` of sequence ``b`` ->
+  (out (block_q, D) in q's dtype, lse (block_q,) FP32 log2 units; +inf for a row that sees no key)."""
+  bq, d = q.shape
+  last = jnp.max(pos)
+  big = jnp.int32(2**30)
+  first = jnp.min(jnp.where(pos >= 0, pos, big))
+  n_blocks = jnp.minimum(lax.div(last + BLOCK_KV, BLOCK_KV), n_kb)  # blocks 0 .. last // BLOCK_KV
+  # Blocks every real row sees in full take the unmasked update (same bits); padding rows (pos -1) get garbage
+  # there that nothing reads (out is sliced off, the backward masks P by position).
+  n_full = jnp.minimum(lax.div(jnp.minimum(first, last) + 1, BLOCK_KV), n_blocks)
+
+  def block(j, carry, masked):
+    start = pl.multiple_of(j * BLOCK_KV, BLOCK_KV)
+    keys = pl.ds(start, BLOCK_KV)
+    kb = k_ref[b, keys, kvh, :].astype(q.dtype)
+    vb = v_ref[b, keys, kvh, :].astype(q.dtype)
+    key = start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0)
+    return _update(carry, q, kb, vb, start, key, pos, last, qk_scale, masked=masked)
+
+  carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32))
+  carry = lax.fori_loop(0, n_full, functools.partial(block, masked=False), carry)
+  m, l, acc = lax.fori_loop(n_full, n_blocks, functools.partial(block, masked=True), carry)
+  seen = l > 0
+  inv = jnp.where(seen, v_scale / jnp.where(seen, l, 1.0), 0.0)
+  out = (acc * inv[:, None]).astype(q.dtype)
+  lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
+  return out, lse
+
+
+def _seq_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, o_ref, lse_ref, *, g: int, n_kb: int, bq: int):
+  b, h, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
+  out, lse = _attend_tile(q_ref[b, rows, h, :], pos_ref[b, rows], k_ref, v_ref, b, lax.div(h, g), sc_ref[0],
+                          sc_ref[1], n_kb)
+  o_ref[b, rows, h, :] = out
+  lse_ref[b, h, rows] = lse
+
+
+def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, o_ref, *, n_kb: int, bq: int):
+  b, kvh, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
+  out, _ = _attend_tile(q_ref[b, kvh, rows, :], pos_ref[b, rows], k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb)
+  o_ref[b, kvh, rows, :] = out
+
+
+def _scalars(qk_scale, v_scale):
+  return jnp.stack([jnp.asarray(qk_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)])
+
+
+def _params(num_warps, num_stages):
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _pad_rows(x, axis: int, multiple: int, value=0):
+  n = x.shape[axis]
+  pad = -(-n // multiple) * multiple - n
+  if not pad:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def attention_seq(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, *,
+                  config: TuningConfig = TuningConfig(), interpret: bool = False):
+  """Rows = positions of one head (training, prefill) -> (out_BxTxHxD, lse_BxHxT FP32, log2 units)."""
+  check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT)
+  b, t, h, d = q_BxTxHxD.shape
+  g = h // k_BxSxKxD.shape[2]
+  q = _pad_rows(q_BxTxHxD, 1, BLOCK_KV)
+  pos = _pad_rows(q_pos_BxT.astype(jnp.int32), 1, BLOCK_KV, -1)
+  k, v = pad_keys(k_BxSxKxD), pad_keys(v_BxSxKxD)
+  tp = q.shape[1]
+  out, lse = pl.pallas_call(
+      functools.partial(_seq_fwd_kernel, g=g, n_kb=k.shape[1] // BLOCK_KV, bq=config.block_q),
+      out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, tp), jnp.float32)),
+      grid=(b, h, tp // config.block_q),
+      compiler_params=_params(config.num_warps, config.num_stages),
+      interpret=interpret, name="fp8jax_attention_seq",
+  )(q, k, v, pos, _scalars(qk_scale, v_scale))
+  return out[:, :t], lse[:, :, :t]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, *,
+                    config: TuningConfig = TuningConfig(), interpret: bool = False):
+  """One query per sequence (decode): rows = the G heads of each key/value head -> out_BxHxD."""
+  b, h, d = q_BxHxD.shape
+  check_operands(q_BxHxD[:, None], k_BxSxKxD, v_BxSxKxD, q_pos_B[:, None])
+  n_kv = k_BxSxKxD.shape[2]
+  g = h // n_kv
+  q = _pad_rows(q_BxHxD.reshape(b, n_kv, g, d), 2, config.decode_block_q)
+  r = q.shape[2]
+  pos = jnp.where(jnp.arange(r) < g, q_pos_B.astype(jnp.int32)[:, None], -1)
+  k, v = pad_keys(k_BxSxKxD), pad_keys(v_BxSxKxD)
+  out = pl.pallas_call(
+      functools.partial(_heads_fwd_kernel, n_kb=k.shape[1] // BLOCK_KV, bq=config.decode_block_q),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(b, n_kv, r // config.decode_block_q),
+      compiler_params=_params(config.decode_num_warps, config.decode_num_stages if k.dtype == jnp.float8_e4m3fn
+                              else config.decode_num_stages_bf16),
+      interpret=interpret, name="fp8jax_attention_decode",
+  )(q, k, v, pos, _scalars(qk_scale, v_scale))
+  return out[:, :, :g].reshape(b, h, d)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Backward (training form: keys are the queries' own sequence)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _probs_and_ds(q, kb, vb, do, lse, delta, key, pos, qk_scale, v_scale):
+  """P and dS (natural-log softmax gradient, before the score scale) of one (rows x keys) block, from the row lse."""
+  s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * qk_scale
+  vis = key[None, :] <= pos[:, None]
+  p = jnp.where(vis, jnp.exp2(s - lse[:, None]), 0.0)
+  dp = lax.dot_general(do, vb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * v_scale
+  return p, p * (dp - delta[:, None])
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, pos_ref, sc_ref, dq_ref, *, g, n_kb, bq, bkv):
+  b, h, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  kvh = lax.div(h, g)
+  rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
+  q, do, pos = q_ref[b, rows, h, :], do_ref[b, rows, h, :], pos_ref[b, rows]
+  lse, delta = lse_ref[b, h, rows], delta_ref[b, h, rows]
+  qk_scale, v_scale = sc_ref[0], sc_ref[1]
+  n = jnp.minimum(lax.div(jnp.max(pos) + bkv, bkv), n_kb * (BLOCK_KV // bkv))
+
+  def body(j, dq):
+    start = pl.multiple_of(j * bkv, bkv)
+    kb = k_ref[b, pl.ds(start, bkv), kvh, :]
+    vb = v_ref[b, pl.ds(start, bkv), kvh, :]
+    key = start + lax.broadcasted_iota(jnp.int32, (bkv,), 0)
+    _, ds = _probs_and_ds(q, kb, vb, do, lse, delta, key, pos, qk_scale, v_scale)
+    return dq + lax.dot_general(ds.astype(kb.dtype), kb, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+  dq = lax.fori_loop(0, n, body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[b, rows, h, :] = (dq * sc_ref[2]).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, pos_ref, sc_ref, dk_ref, dv_ref, *, g, n_qt, bq,
+                bkv, causal_rows: bool):
+  b, kvh, ki = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  start = pl.multiple_of(ki * bkv, bkv)
+  keys = pl.ds(start, bkv)
+  kb, vb = k_ref[b, keys, kvh, :], v_ref[b, keys, kvh, :]
+  key = start + lax.broadcasted_iota(jnp.int32, (bkv,), 0)
+  qk_scale, v_scale = sc_ref[0], sc_ref[1]
+  # Training rows are at positions 0..T-1 in order, so query tiles before this key block see none of it.
+  lo = lax.div(start, bq) if causal_rows else 0
+
+  def head(gi, acc):
+    h = kvh * g + gi
+
+    def tile(ti, acc):
+      dk, dv = acc
+      rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
+      q, do, pos = q_ref[b, rows, h, :], do_ref[b, rows, h, :], pos_ref[b, rows]
+      p, ds = _probs_and_ds(q, kb, vb, do, lse_ref[b, h, rows], delta_ref[b, h, rows], key, pos, qk_scale, v_scale)
+      dv = dv + lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+      dk = dk + lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+      return dk, dv
+
+    return lax.fori_loop(lo, n_qt, tile, acc)
+
+  zeros = jnp.zeros(kb.shape, jnp.float32)
+  dk, dv = lax.fori_loop(0, g, head, (zeros, zeros))
+  dk_ref[b, keys, kvh, :] = (dk * sc_ref[2]).astype(dk_ref.dtype)
+  dv_ref[b, keys, kvh, :] = (dv * v_scale).astype(dv_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("causal_rows", "config", "interpret"))
+def attention_seq_bwd(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, out_BxTxHxD, lse_BxHxT, do_BxTxHxD,
+                      *, causal_rows: bool, config: TuningConfig = TuningConfig(), interpret: bool = False):
+  """(dq, dk, dv) of ``attention_seq``'s output for cotangent ``do`` (scales are constants: no gradient).
+
+  ``causal_rows``: the rows are at positions 0..T-1 in order (training), so the dK/dV kernel skips query tiles
+  before each key block. dq = ln-domain score scale (qk_scale / log2 e) x dS K; dk likewise; dv = v_scale P^T dO.
+  """
+  b, t, h, d = q_BxTxHxD.shape
+  g = h // k_BxSxKxD.shape[2]
+  cfg = config
+  delta = jnp.einsum("bthd,bthd->bht", out_BxTxHxD.astype(jnp.float32), do_BxTxHxD.astype(jnp.float32))
+  q, do = (_pad_rows(x, 1, BLOCK_KV) for x in (q_BxTxHxD, do_BxTxHxD))
+  pos = _pad_rows(q_pos_BxT.astype(jnp.int32), 1, BLOCK_KV, -1)
+  lse, delta = (_pad_rows(x, 2, BLOCK_KV) for x in (lse_BxHxT, delta))
+  k, v = pad_keys(k_BxSxKxD), pad_keys(v_BxSxKxD)
+  tp, sp = q.shape[1], k.shape[1]
+  ln_scale = jnp.asarray(qk_scale, jnp.float32) * jnp.float32(1 / 1.4426950408889634)
+  sc = jnp.stack([jnp.asarray(qk_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32), ln_scale])
+  args = (q, k, v, do, lse, delta, pos, sc)
+  params = _params(cfg.bwd_num_warps, cfg.bwd_num_stages)
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, g=g, n_kb=sp // BLOCK_KV, bq=cfg.bwd_block_q, bkv=cfg.bwd_block_kv),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b, h, tp // cfg.bwd_block_q),
+      compiler_params=params, interpret=interpret, name="fp8jax_attention_dq",
+  )(*args)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, g=g, n_qt=tp // cfg.bwd_block_q, bq=cfg.bwd_block_q, bkv=cfg.bwd_block_kv,
+                        causal_rows=causal_rows),
+      out_shape=(jax.ShapeDtypeStruct(k.shape, q.dtype),) * 2, grid=(b, k.shape[2], sp // cfg.bwd_block_kv),
+      compiler_params=params, interpret=interpret, name="fp8jax_attention_dkv",
+  )(*args)
+  s = k_BxSxKxD.shape[1]
+  return dq[:, :t], dk[:, :s].astype(k_BxSxKxD.dtype), dv[:, :s].astype(v_BxSxKxD.dtype)

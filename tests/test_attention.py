@@ -1,0 +1,316 @@
+"""The attention op (fp8jax.attention) and its kernels (pallas_kernels.attention_triton) against the reference.
+
+CPU (CI): the blocked reference against textbook softmax attention; decode rows == training rows bit for bit through
+``attend`` (BF16 and FP8 K/V, stale and NaN cache rows); the kernels in interpret mode against the reference
+(forward: training/prefill rows and decode rows, GQA, ragged lengths, padding and length-1 rows, both K/V forms;
+backward: dq, dk, dv against autodiff of the reference) and decode == training bitwise; lowering for the ``cuda``
+platform (Pallas -> Triton IR for an abstract H200); backend selection and errors.
+GPU (``-m gpu``): the compiled kernels against the reference, bitwise decode == training for random batches and
+lengths, gradients against the reference's.
+
+Error bounds (relative Frobenius norm ||out - ref|| / ||ref||):
+* blocked reference vs textbook FP32 attention: <= 1e-2 (P is rounded to BF16 before the P.V dot, the output to
+  BF16: each ~2**-9 relative);
+* kernel vs reference on the same operands: <= 5e-3 (the same math; the output's BF16 rounding can flip by one ulp
+  where FP32 sums differ in order; on the GPU also exp2.approx);
+* backward vs autodiff of the reference: <= 2e-2 (P and dS are rounded to BF16 before their dots in both, at
+  different points; measured ~4e-3 in interpret mode).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax import attention as attn
+from fp8jax import kvcache, ops
+from pallas_kernels import attention as ref
+from pallas_kernels import attention_triton as kern
+
+requires_gpu = pytest.mark.skipif(not attn._gpu_available(), reason="needs a CUDA GPU")
+
+
+def _rel(out, want) -> float:
+  out, want = (jnp.asarray(x, jnp.float32) for x in (out, want))
+  return float(jnp.linalg.norm(out - want) / jnp.linalg.norm(want))
+
+
+def _qkv(seed, b, t, h, kv, d, s=None, fp8=False):
+  """Fresh random q (BF16) and k/v: BF16 values, or E4M3 codes with scales (as the FP8 KV recipe makes them)."""
+  s = s or t
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(k1, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(k2, (b, s, kv, d), jnp.float32) * 2
+  v = jax.random.normal(k3, (b, s, kv, d), jnp.float32)
+  if not fp8:
+    return q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), None, None
+  ks, vs = jnp.float32(8 / 448), jnp.float32(4 / 448)
+  return q, kvcache.quantize_kv(k, ks), kvcache.quantize_kv(v, vs), ks, vs
+
+
+def _scales(d, ks, vs):
+  return attn._scales(d, ks, vs)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# CPU: the reference
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("b,t,h,kv,d,fp8", [(2, 37, 4, 2, 64, False), (1, 300, 8, 2, 128, True),
+                                            (3, 1, 2, 1, 128, False), (2, 130, 6, 6, 64, True)])
+def test_reference_matches_textbook_attention(b, t, h, kv, d, fp8):
+  q, k, v, ks, vs = _qkv(t + h, b, t, h, kv, d, fp8=fp8)
+  qs, vsc = _scales(d, ks, vs)
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  out, lse = ref.attention_reference(q, k, v, pos, qs, vsc)
+  want = ref.attention_dense(q, k.astype(jnp.float32), v.astype(jnp.float32), pos, qs, vsc)
+  assert out.dtype == jnp.bfloat16 and lse.shape == (b, h, t)
+  assert _rel(out, want) <= 1e-2
+
+
+def test_reference_rows_that_see_nothing_are_zero_and_others_unaffected():
+  q, k, v, _, _ = _qkv(0, 2, 20, 4, 2, 64)
+  qs, vs = _scales(64, None, None)
+  pos = jnp.broadcast_to(jnp.arange(20), (2, 20)).at[0, 3].set(-1)
+  out, lse = ref.attention_reference(q, k, v, pos, qs, vs)
+  assert np.all(np.asarray(out[0, 3]) == 0) and np.all(np.isinf(np.asarray(lse[0, :, 3])))
+  full, _ = ref.attention_reference(q, k, v, jnp.broadcast_to(jnp.arange(20), (2, 20)), qs, vs)
+  np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(full[1]))
+
+
+def _cache_with_stale_rows(k, v, s, seed):
+  """A slot cache of length s holding k/v at 0..T-1 and stale garbage after (NaN in V: must never leak)."""
+  b, t, kv, d = k.shape
+  junk = jax.random.normal(jax.random.key(seed), (b, s, kv, d), jnp.float32) * 50
+  ck = junk.astype(k.dtype).at[:, :t].set(k)
+  cv = jnp.full((b, s, kv, d), jnp.nan, jnp.float32).astype(v.dtype).at[:, :t].set(v)
+  return ck, cv
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
+def test_decode_and_prefill_rows_equal_training_rows_bitwise(fp8):
+  """The contract's promise through ``attend`` on the reference backend (CPU): the sampler's rows are the trainer's.
+
+  Training sees the FP8 K/V as BF16 code values (kv_codes), decode reads the float8 cache: the same numbers.
+  """
+  b, t, h, kv, d = 3, 200, 8, 2, 128
+  q, k, v, ks, vs = _qkv(1, b, t, h, kv, d, fp8=fp8)
+  train_k, train_v = (k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+  full = fp8jax.jit(lambda q, k, v: attn.attend(q, k, v, k_scale=ks, v_scale=vs, backend="xla"))(q, train_k, train_v)
+  ck, cv = _cache_with_stale_rows(k, v, 384, 2)
+  step = fp8jax.jit(lambda q, k, v, p: attn.attend(q, k, v, p, k_scale=ks, v_scale=vs, backend="xla"))
+  rng = np.random.default_rng(0)
+  for p in [0, 1, 127, 128, 129, t - 1, *rng.integers(0, t, 4)]:
+    np.testing.assert_array_equal(np.asarray(step(q[:, p:p + 1], ck, cv, jnp.full((b, 1), p))),
+                                  np.asarray(full[:, p:p + 1]), err_msg=f"position {p}")
+  # ragged rows: each sequence decodes at its own position in one call
+  ps = jnp.asarray(rng.integers(0, t, b), jnp.int32)
+  rows = step(q[jnp.arange(b), ps][:, None], ck, cv, ps[:, None])
+  np.testing.assert_array_equal(np.asarray(rows[:, 0]), np.asarray(full[jnp.arange(b), ps]))
+  # prefill: the first 150 positions against the cache
+  pre = step(q[:, :150], ck, cv, jnp.broadcast_to(jnp.arange(150), (b, 150)))
+  np.testing.assert_array_equal(np.asarray(pre), np.asarray(full[:, :150]))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# CPU: the kernels in interpret mode
+# ------------------------------------------------------------------------------------------------------------------
+
+
+SEQ_CASES = [  # (b, t, h, kv, d, fp8, s): s > t is a prefill against a longer cache
+    (1, 1, 2, 1, 128, False, None),
+    (2, 75, 4, 2, 64, False, None),
+    (1, 200, 4, 1, 128, True, None),
+    (2, 60, 2, 2, 128, True, 256),
+]
+
+
+@pytest.mark.parametrize("b,t,h,kv,d,fp8,s", SEQ_CASES)
+def test_seq_kernel_interpret_matches_reference(b, t, h, kv, d, fp8, s):
+  q, k, v, ks, vs = _qkv(7 * t + d, b, t, h, kv, d, s=s, fp8=fp8)
+  qs, vsc = _scales(d, ks, vs)
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  if b > 1:
+    pos = pos.at[1, t // 2].set(-1)  # a padding row: sees nothing, output 0
+  out, lse = kern.attention_seq(q, k, v, pos, qs, vsc, interpret=True)
+  want, want_lse = ref.attention_reference(q, k, v, pos, qs, vsc)
+  assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (b, h, t)
+  assert _rel(out, want) <= 5e-3
+  finite = np.isfinite(np.asarray(want_lse))
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], rtol=1e-5, atol=1e-5)
+  assert np.array_equal(np.isfinite(np.asarray(lse)), finite)
+  if b > 1:
+    assert np.all(np.asarray(out[1, t // 2]) == 0)
+
+
+@pytest.mark.parametrize("g", [1, 4, 70], ids=["g1", "g4", "g70-two-tiles"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
+def test_decode_kernel_interpret_matches_reference_and_training_rows(g, fp8):
+  b, t, kv, d = 3, 150, 2, 64 if g == 70 else 128
+  h = g * kv
+  q, k, v, ks, vs = _qkv(g, b, t, h, kv, d, fp8=fp8)
+  qs, vsc = _scales(d, ks, vs)
+  train, _ = kern.attention_seq(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+                                jnp.broadcast_to(jnp.arange(t), (b, t)), qs, vsc, interpret=True)
+  ck, cv = _cache_with_stale_rows(k, v, 256, 3)
+  ps = jnp.asarray([0, 128, t - 1], jnp.int32)
+  out = kern.attention_heads(q[jnp.arange(b), ps], ck, cv, ps, qs, vsc, interpret=True)
+  want, _ = ref.attention_reference(q[jnp.arange(b), ps][:, None], ck, cv, ps[:, None], qs, vsc)
+  assert out.shape == (b, h, d) and np.all(np.isfinite(np.asarray(out)))
+  assert _rel(out, want[:, 0]) <= 5e-3
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(train[jnp.arange(b), ps]))
+
+
+@pytest.mark.parametrize("b,t,h,kv,d,scale", [(2, 150, 4, 2, 128, 1.0), (1, 70, 2, 1, 64, 0.25)])
+def test_backward_kernels_interpret_match_reference_gradients(b, t, h, kv, d, scale):
+  q, k, v, _, _ = _qkv(t, b, t, h, kv, d)
+  do = jax.random.normal(jax.random.key(99), q.shape, jnp.float32).astype(jnp.bfloat16)
+  qs, vs = _scales(d, jnp.float32(scale), jnp.float32(1.5))
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  _, vjp = jax.vjp(lambda q, k, v: ref.attention_reference(q, k, v, pos, qs, vs)[0], q, k, v)
+  want = vjp(do)
+  out, lse = kern.attention_seq(q, k, v, pos, qs, vs, interpret=True)
+  got = kern.attention_seq_bwd(q, k, v, pos, qs, vs, out, lse, do, causal_rows=True, interpret=True,
+                               config=kern.TuningConfig(bwd_block_q=32, bwd_block_kv=64))
+  for name, g_, w in zip(("dq", "dk", "dv"), got, want):
+    assert g_.shape == w.shape and g_.dtype == w.dtype, name
+    assert _rel(g_, w) <= 2e-2, (name, _rel(g_, w))
+
+
+def test_attend_is_differentiable_on_the_reference():
+  q, k, v, _, _ = _qkv(3, 2, 40, 4, 2, 64)
+  f = lambda q, k, v: jnp.sum(attn.attend(q, k, v, backend="xla").astype(jnp.float32) ** 2)  # noqa: E731
+  g = jax.grad(f, argnums=(0, 1, 2))(q, k, v)
+  fd = lambda q, k, v: jnp.sum(ref.attention_dense(q, k, v, jnp.broadcast_to(jnp.arange(40), (2, 40)),  # noqa
+                                                   *_scales(64, None, None)) ** 2)
+  gd = jax.grad(fd, argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
+  for a, w in zip(g, gd):
+    assert _rel(a, w) <= 3e-2
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# CPU: lowering for cuda, backend selection, errors
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _lower_cuda(fn, *args):
+  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=dev)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_kernels_lower_for_cuda(kv_dtype):
+  S = jax.ShapeDtypeStruct
+  f32, i32, bf = jnp.float32, jnp.int32, jnp.bfloat16
+  b, t, h, kv, d = 8, 4096, 32, 8, 128
+  sc = (S((), f32), S((), f32))
+  assert "triton" in _lower_cuda(kern.attention_seq, S((b, t, h, d), bf), S((b, t, kv, d), kv_dtype),
+                                 S((b, t, kv, d), kv_dtype), S((b, t), i32), *sc)
+  assert "triton" in _lower_cuda(kern.attention_heads, S((256, h, d), bf), S((256, 1536, kv, d), kv_dtype),
+                                 S((256, 1536, kv, d), kv_dtype), S((256,), i32), *sc)
+  if kv_dtype == jnp.bfloat16:
+    bwd = functools.partial(kern.attention_seq_bwd, causal_rows=True)
+    assert "triton" in _lower_cuda(bwd, S((b, t, h, d), bf), S((b, t, kv, d), bf), S((b, t, kv, d), bf),
+                                   S((b, t), i32), *sc, S((b, t, h, d), bf), S((b, h, t), f32), S((b, t, h, d), bf))
+
+
+def test_backend_selection_is_reported_and_pallas_refuses_without_a_gpu(monkeypatch, caplog):
+  q, k, v, _, _ = _qkv(0, 1, 8, 2, 1, 128)
+  assert attn.resolve_backend("auto", q, k) == "xla"
+  assert "attention:auto->xla" in ops.backend_report()
+  with pytest.raises(RuntimeError, match="attn_backend='pallas' cannot run here"):
+    attn.resolve_backend("pallas", q, k)
+  with pytest.raises(ValueError, match="model.attn_backend"):
+    attn.resolve_backend("cudnn", q, k)
+  # On a GPU, operands the kernels do not take fall back to the reference, logged and reported.
+  monkeypatch.setattr(attn, "_gpu_available", lambda: True)
+  q96 = jnp.zeros((1, 8, 2, 96), jnp.bfloat16)
+  with caplog.at_level(logging.WARNING):
+    assert attn.resolve_backend("auto", q96, q96[:, :, :1]) == "xla"
+  assert "head_dim 96" in ops.backend_report()["attention:auto->xla"]
+  assert any("head_dim 96" in r.message for r in caplog.records)
+  with pytest.raises(RuntimeError, match="head_dim 96"):
+    attn.resolve_backend("pallas", q96, q96[:, :, :1])
+
+
+def test_bad_operands_name_the_shapes():
+  q, k, v, _, _ = _qkv(0, 2, 8, 4, 2, 64)
+  with pytest.raises(ValueError, match="not a multiple"):
+    attn.attend(q[:, :, :3], k, v, backend="xla")
+  with pytest.raises(ValueError, match="as many keys as queries"):
+    attn.attend(q, jnp.concatenate([k, k], 1), jnp.concatenate([v, v], 1), backend="xla")
+  with pytest.raises(ValueError, match="q_pos must be"):
+    attn.attend(q, k, v, jnp.zeros((2, 3), jnp.int32), backend="xla")
+  with pytest.raises(ValueError, match="float8_e4m3fn"):
+    attn.attend(q, k.astype(jnp.float32), v, jnp.zeros((2, 8), jnp.int32), backend="xla")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# GPU: the compiled kernels
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("b,t,h,kv,fp8", [(2, 1000, 32, 8, False), (1, 2048, 16, 4, True), (4, 77, 8, 8, False)])
+def test_gpu_kernels_match_reference(b, t, h, kv, fp8):
+  d = 128
+  q, k, v, ks, vs = _qkv(t, b, t, h, kv, d, fp8=fp8)
+  qs, vsc = _scales(d, ks, vs)
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  out, lse = kern.attention_seq(q, k, v, pos, qs, vsc)
+  want, want_lse = ref.attention_reference(q, k, v, pos, qs, vsc)
+  assert _rel(out, want) <= 5e-3
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-4, atol=1e-4)
+  ck, cv = _cache_with_stale_rows(k, v, kvcache.padded_len(t + 100), 5)
+  ps = jnp.asarray(np.random.default_rng(t).integers(0, t, b), jnp.int32)
+  dec = kern.attention_heads(q[jnp.arange(b), ps], ck, cv, ps, qs, vsc)
+  assert _rel(dec, want[jnp.arange(b), ps]) <= 5e-3
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
+def test_gpu_decode_rows_equal_training_rows_bitwise(fp8):
+  """The one-engine property on the GPU: decode (heads tiles over the cache) == training (sequence tiles)."""
+  rng = np.random.default_rng(1 + fp8)
+  for trial in range(3):
+    b, t = int(rng.integers(1, 9)), int(rng.integers(100, 1500))
+    h, kv, d = 32, 8, 128
+    q, k, v, ks, vs = _qkv(trial, b, t, h, kv, d, fp8=fp8)
+    train = fp8jax.jit(lambda q, k, v: attn.attend(q, k, v, k_scale=ks, v_scale=vs, backend="pallas"))(
+        q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+    ck, cv = _cache_with_stale_rows(k, v, kvcache.padded_len(t + 300), trial)
+    step = fp8jax.jit(lambda q, k, v, p: attn.attend(q, k, v, p, k_scale=ks, v_scale=vs, backend="pallas"))
+    ps = jnp.asarray(rng.integers(0, t, b), jnp.int32)
+    rows = step(q[jnp.arange(b), ps][:, None], ck, cv, ps[:, None])
+    np.testing.assert_array_equal(np.asarray(rows[:, 0]), np.asarray(train[jnp.arange(b), ps]))
+    n = int(rng.integers(1, t))
+    pre = step(q[:, :n], ck, cv, jnp.broadcast_to(jnp.arange(n), (b, n)))
+    np.testing.assert_array_equal(np.asarray(pre), np.asarray(train[:, :n]))
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_gradients_match_reference():
+  b, t, h, kv, d = 2, 1100, 16, 4, 128
+  q, k, v, _, _ = _qkv(5, b, t, h, kv, d)
+  do = jax.random.normal(jax.random.key(6), q.shape, jnp.float32).astype(jnp.bfloat16)
+  ks, vs = jnp.float32(0.5), jnp.float32(2.0)
+
+  def grads(backend):
+    f = lambda q, k, v: attn.attend(q, k, v, k_scale=ks, v_scale=vs, backend=backend)  # noqa: E731
+    _, vjp = jax.vjp(f, q, k, v)
+    return vjp(do)
+
+  for name, g_, w in zip(("dq", "dk", "dv"), jax.jit(lambda: grads("pallas"))(), jax.jit(lambda: grads("xla"))()):
+    assert _rel(g_, w) <= 2e-2, (name, _rel(g_, w))
