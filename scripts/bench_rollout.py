@@ -29,14 +29,14 @@ Columns:
                          BF16 lm_head; the embedding gather is negligible),
                KV_bytes = sum over requests r and their generated tokens i of (prompt_len_r + i) * L * 2 * Hkv * hd
                           * (1 byte FP8 | 2 bytes BF16): the K/V each decode step must read for its live context.
-             The reference XLA attention reads the whole (slots x max_len) cache every step (mask after the
-             einsum); that larger number is in the JSON as kv_bytes_read_by_xla_attention.
+             The whole-cache XLA attention used before the attention kernels read every (slots x max_len) entry
+             each step; that larger number stays in the JSON as kv_bytes_read_by_xla_attention, for comparison.
   flop roof  T_flop / T_decode with T_flop = 2 * tokens * linear params / peak_w + 4 * sum(context) * Hq * hd * L
              / 989e12, peak_w = 989e12 (BF16) or 1979e12 (FP8) dense FLOP/s of the H200.
   prefill    prefill tokens/s (distinct prompts only: the samples of a prompt share one prefill).
   occ        mean occupancy: busy slot-steps / (decode steps x slots).
-What is still reference XLA (attention kernels come in a later issue): attention (einsum over the full cache, FP8 KV
-dequantized to BF16 first), RoPE, norms, sampling, the KV write (scatter). The FP8 GEMMs run the Pallas Hopper kernel
+Attention runs fp8jax.attention (on a GPU the Pallas kernels: decode reads each slot's filled cache blocks only,
+FP8 K/V upcast in registers). What is still plain XLA: RoPE, norms, sampling, the KV write (scatter). The FP8 GEMMs run the Pallas Hopper kernel
 on sm_90 when it loads, else the exact XLA block reference (slow): ops.backend_report() is printed and saved. BF16
 GEMMs are XLA dots (cuBLAS).
 """
@@ -396,8 +396,8 @@ def main(argv=None):
           "jaxlib": _dist_version("jaxlib"), "python": platform.python_version(), "preset": a.preset,
           "args": {k: v for k, v in vars(a).items()}, "model": dataclasses.asdict(cfg),
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
-          "reference_xla_parts": "attention (einsum over the full cache, FP8 KV dequantized to BF16 first), RoPE, "
-                                 "norms, sampling, KV write; BF16 GEMMs are XLA dots; FP8 GEMM: see gemm_backends",
+          "reference_xla_parts": "RoPE, norms, sampling, KV write; BF16 GEMMs are XLA dots; FP8 GEMM and "
+                                 "attention: see gemm_backends",
           "roofline": {"hbm_bytes_per_s": HBM_BYTES_PER_S, "peak_flops": PEAK_FLOPS}}
   log(f"bench_rollout: {meta['device_kind']} jax {jax.__version__}, preset {a.preset}: {cfg.n_layers} layers, "
       f"dim {cfg.dim}, vocab {cfg.vocab_size}; slots {a.slots}, prompt {a.prompt_len}, max_new {a.max_new}")

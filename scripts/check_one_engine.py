@@ -5,7 +5,8 @@
 Random weights; for each recipe (BF16; FP8; FP8 + FP8 KV cache) it samples completions with the jitted sampler,
 recomputes the log-probs with the trainer's forward (FP8Weight master params, same K/V quantization), and prints
 token_mult_prob_error, max |dlp| and the fraction of tokens whose log-probs are bitwise equal. On CPU the FP8 GEMMs
-are the XLA reference; on an sm_90 GPU, the Pallas kernel (the GEMM backend is printed).
+are the XLA reference; on an sm_90 GPU, the Pallas kernel (the GEMM backend is printed). --quantize_lm_head moves the
+FP8 recipes' output head onto the FP8 GEMM too, which isolates the BF16 head GEMM as a cause of mismatch.
 """
 
 import argparse
@@ -35,6 +36,8 @@ def main():
   ap.add_argument("--prompts", type=int, default=8)
   ap.add_argument("--samples", type=int, default=2)
   ap.add_argument("--max_new", type=int, default=32)
+  ap.add_argument("--quantize_lm_head", action="store_true",
+                  help="FP8 recipes put the output head on the (batch-invariant) FP8 GEMM too")
   ap.add_argument("--out", default="")
   a = ap.parse_args()
   hd = 128
@@ -44,8 +47,9 @@ def main():
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, a.vocab, size=int(rng.integers(8, 48))).tolist() for _ in range(a.prompts)]
   rows = {}
-  for name, recipe in (("bf16", quant.Recipe(mode="bf16")), ("fp8", quant.Recipe()),
-                       ("fp8+kv", quant.Recipe(kv_cache="fp8"))):
+  head = a.quantize_lm_head
+  for name, recipe in (("bf16", quant.Recipe(mode="bf16")), ("fp8", quant.Recipe(quantize_lm_head=head)),
+                       ("fp8+kv", quant.Recipe(kv_cache="fp8", quantize_lm_head=head))):
     lcfg = ops.LinearConfig.from_recipe(recipe)
     sc = sampler.SamplerConfig(slots=a.slots, max_len=64 + a.max_new, prompt_buckets=(64,), kv_cache=recipe.kv_cache)
     s = sampler.Sampler(cfg, sc, lcfg)

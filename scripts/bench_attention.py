@@ -1,0 +1,365 @@
+"""Benchmark of the attention op (issue 14) on a CUDA GPU: kernels, decode bandwidth, and the training step's memory.
+
+  PYTHONPATH=. python3 scripts/bench_attention.py [--cases 8x4096,1x16384] [--out DIR]     # kernels + decode
+  PYTHONPATH=. python3 scripts/bench_attention.py --train_step [--seqs 8 --seq_len 4096]   # 8B-width fwd+bwd memory
+
+Kernel table (causal, 32 query heads / 8 key-value heads, head_dim 128, BF16), TFLOP/s of
+  ours    fp8jax.attention.attend(backend="pallas"): pallas_kernels.attention_triton (forward; custom-VJP backward)
+  cudnn   jax.nn.dot_product_attention(implementation="cudnn")  (cuDNN flash attention)
+  xla     jax.nn.dot_product_attention(implementation="xla")    (plain XLA: materializes the T x T scores)
+Forward FLOPs = 4 B H T^2 D / 2 (causal); backward = 2.5x the forward's (five matmuls instead of two). "bwd" is the
+median time of forward + backward minus the forward's. Times are CUPTI kernel times (bench_gemm.jax_time_ms).
+Each output is checked against cuDNN's (relative Frobenius error) and ours against the plain-jnp reference.
+
+Decode: one new token per slot over an FP8 / BF16 KV cache (256 slots, ragged lengths), ours vs the whole-cache XLA
+attention the model used before this op (einsum over max_len, mask after): time per layer-step and the bandwidth on
+the live bytes (the K/V rows each slot actually needs, read once), against the measured device-copy bandwidth.
+
+--train_step: loss = mean next-token NLL of a 2-layer model at Llama-3.1-8B width (FP8 recipe, remat), value and
+grad, for each attention implementation in its own process (peak_bytes_in_use is per process): step time (median of
+3 after warm-up) and peak device memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fp8jax  # noqa: E402,F401  (sets XLA flags first)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench_gemm import jax_time_ms, log, LOG  # noqa: E402
+from fp8jax import attention as attn  # noqa: E402
+from fp8jax import kvcache, ops  # noqa: E402
+from pallas_kernels import attention as ref  # noqa: E402
+
+H, KV, D = 32, 8, 128
+
+
+def rel_err(out, want):
+  out, want = jnp.asarray(out, jnp.float32), jnp.asarray(want, jnp.float32)
+  return float(jnp.linalg.norm(out - want) / jnp.linalg.norm(want))
+
+
+def _inputs(b, t, seed=0):
+  k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(k1, (b, t, H, D), jnp.bfloat16)
+  k = jax.random.normal(k2, (b, t, KV, D), jnp.bfloat16)
+  v = jax.random.normal(k3, (b, t, KV, D), jnp.bfloat16)
+  do = jax.random.normal(k4, (b, t, H, D), jnp.bfloat16)
+  return q, k, v, do
+
+
+def _impls():
+  return {
+      "ours": lambda q, k, v: attn.attend(q, k, v, backend="pallas"),
+      "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
+      "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
+  }
+
+
+def _fwd_bwd(fn):
+  def f(q, k, v, do):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return vjp(do)
+  return f
+
+
+def kernel_rows(cases):
+  rows = []
+  for b, t in cases:
+    q, k, v, do = jax.block_until_ready(_inputs(b, t, seed=b * t))
+    fwd_flops = 4 * b * H * t * t * D / 2
+    outs = {}
+    for name, fn in _impls().items():
+      row = {"case": f"{b}x{t}", "impl": name}
+      try:
+        ms, out = jax_time_ms(fn, [(q, k, v)], iters=5)
+        outs[name] = out
+        row.update(fwd_ms=ms, fwd_tflops=fwd_flops / ms / 1e9)
+        ms2, grads = jax_time_ms(_fwd_bwd(fn), [(q, k, v, do)], iters=5)
+        outs[name + "_grads"] = grads
+        row.update(fwd_bwd_ms=ms2, bwd_ms=ms2 - ms, bwd_tflops=2.5 * fwd_flops / max(ms2 - ms, 1e-9) / 1e9)
+        mem = jax.jit(_fwd_bwd(fn)).lower(q, k, v, do).compile().memory_analysis()
+        row["fwd_bwd_temp_gib"] = getattr(mem, "temp_size_in_bytes", 0) / 2**30
+      except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[:300]
+        log(f"  {name} {b}x{t} failed:", traceback.format_exc()[-1500:])
+      rows.append(row)
+      log(json.dumps(row))
+    if "cudnn" in outs:
+      for row in rows[-3:]:
+        n = row["impl"]
+        if n in outs and n != "cudnn":
+          row["fwd_err_vs_cudnn"] = rel_err(outs[n], outs["cudnn"])
+          if n + "_grads" in outs and "cudnn_grads" in outs:
+            row["grad_err_vs_cudnn"] = max(rel_err(a, w) for a, w in zip(outs[n + "_grads"], outs["cudnn_grads"]))
+    if "ours" in outs and t <= 4096:
+      pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+      want = jax.jit(lambda q, k, v: ref.attention_reference(q, k, v, pos, *attn._scales(D, None, None))[0])(q, k, v)
+      rows[-3]["fwd_err_vs_reference"] = rel_err(outs["ours"], want)
+  return rows
+
+
+def _old_xla_decode(q_BxHxD, ck, cv, pos_B, ks, vs):
+  """The model's attention before this op: scores over the whole cache (upcast), masked after, full softmax."""
+  b, _, d = q_BxHxD.shape
+  g = H // KV
+  qg = q_BxHxD.reshape(b, KV, g, d)
+  s = jnp.einsum("bkgd,bskd->bkgs", qg, ck.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+  s = s * (ks * (1 / math.sqrt(d)))
+  s = jnp.where((jnp.arange(ck.shape[1])[None, :] <= pos_B[:, None])[:, None, None], s, -jnp.inf)
+  p = jax.nn.softmax(s, axis=-1).astype(jnp.bfloat16)
+  out = jnp.einsum("bkgs,bskd->bkgd", p, cv.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+  return (out * vs).astype(jnp.bfloat16).reshape(b, H, d)
+
+
+def _copy_bandwidth():
+  x = jnp.ones((1 << 30,), jnp.float32)  # 4 GiB
+  ms, _ = jax_time_ms(lambda a: a * 2.0, [(x,)], iters=5)
+  return 2 * x.nbytes / ms / 1e6  # GB/s, read + write
+
+
+def decode_rows(slots=256, max_len=1536, mean_ctx=1024):
+  rng = np.random.default_rng(0)
+  pos = jnp.asarray(np.clip(rng.integers(mean_ctx // 2, mean_ctx * 3 // 2, slots), 0, max_len - 1), jnp.int32)
+  bw = _copy_bandwidth()
+  log(f"device copy bandwidth: {bw:.0f} GB/s")
+  rows = []
+  for fp8 in (True, False):
+    k1, k2, k3 = jax.random.split(jax.random.key(fp8), 3)
+    dt = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    ck = (jax.random.normal(k1, (slots, max_len, KV, D), jnp.float32) * (30 if fp8 else 1)).astype(dt)
+    cv = (jax.random.normal(k2, (slots, max_len, KV, D), jnp.float32) * (30 if fp8 else 1)).astype(dt)
+    q = jax.random.normal(k3, (slots, H, D), jnp.bfloat16)
+    ks = vs = jnp.float32(1 / 30 if fp8 else 1.0)
+    live = float(np.sum(np.asarray(pos) + 1)) * KV * D * 2 * jnp.dtype(dt).itemsize + 2 * q.size * 2
+    ours = lambda q, ck, cv, p: attn.attend(q[:, None], ck, cv, p[:, None], k_scale=ks, v_scale=vs,  # noqa: E731
+                                           backend="pallas")[:, 0]
+    old = lambda q, ck, cv, p: _old_xla_decode(q, ck, cv, p, ks, vs)  # noqa: E731
+    outs = {}
+    for name, fn in (("ours", ours), ("xla_whole_cache", old)):
+      row = {"decode": "fp8" if fp8 else "bf16", "impl": name, "slots": slots, "max_len": max_len,
+             "mean_ctx": float(np.mean(np.asarray(pos) + 1))}
+      try:
+        ms, out = jax_time_ms(fn, [(q, ck, cv, pos)], iters=10)
+        outs[name] = out
+        row.update(ms_per_layer=ms, live_gb=live / 1e9, live_gbps=live / ms / 1e6, frac_of_copy_bw=live / ms / 1e6 / bw)
+      except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[:300]
+        log(f"  decode {name} failed:", traceback.format_exc()[-1500:])
+      rows.append(row)
+    if len(outs) == 2:
+      rows[-2]["err_vs_xla"] = rel_err(outs["ours"], outs["xla_whole_cache"])
+    for r in rows[-2:]:
+      log(json.dumps(r))
+  return rows, bw
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Training step at 8B width (one process per attention implementation)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _train_step_child(impl: str, seqs: int, seq_len: int, layers: int):
+  from fp8jax import quant  # noqa: PLC0415
+  from fp8jax.model import ModelConfig, init_params, llama  # noqa: PLC0415
+
+  if impl in ("cudnn", "xla_einsum"):  # the same model code on another attention (benchmark-local substitution)
+    kind = "cudnn" if impl == "cudnn" else "xla"
+
+    def other(q, k, v, positions_BxT=None, *, k_scale=None, v_scale=None, backend="auto", mesh=None):
+      del backend, mesh, positions_BxT
+      scale = (1.0 if k_scale is None else k_scale) / math.sqrt(q.shape[-1])
+      out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=kind)
+      return out if v_scale is None else (out.astype(jnp.float32) * v_scale).astype(q.dtype)
+    attn.attend = other
+  cfg = ModelConfig(vocab_size=128256, dim=4096, n_layers=layers, n_heads=32, n_kv_heads=8, head_dim=128,
+                    ffn_dim=14336, rope_theta=500000.0, max_seq_len=seq_len, remat=True,
+                    attn_backend="pallas" if impl == "ours" else "xla")
+  params = init_params(cfg, seed=0)
+  recipe = quant.Recipe()
+  lcfg = ops.LinearConfig.from_recipe(recipe)
+  toks = jax.random.randint(jax.random.key(1), (seqs, seq_len), 0, cfg.vocab_size)
+
+  def loss(p, t):
+    lp, _, _ = llama.next_token_logprobs(quant.mark_fp8(p, recipe), t, cfg, lcfg)
+    return -jnp.mean(lp)
+
+  step = fp8jax.jit(jax.value_and_grad(loss))
+  t0 = time.perf_counter()
+  jax.block_until_ready(step(params, toks))
+  compile_s = time.perf_counter() - t0
+  ts = []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    val, _ = jax.block_until_ready(step(params, toks))
+    ts.append(time.perf_counter() - t0)
+  stats = jax.devices()[0].memory_stats() or {}
+  return {"impl": impl, "seqs": seqs, "seq_len": seq_len, "layers": layers, "step_s": statistics.median(ts),
+          "first_call_s": compile_s, "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "loss": float(val),
+          "gemm_backends": ops.backend_report()}
+
+
+def train_step_rows(seqs, seq_len, layers, impls):
+  rows = []
+  for impl in impls:
+    cmd = [sys.executable, os.path.abspath(__file__), "--_child", impl, "--seqs", str(seqs), "--seq_len",
+           str(seq_len), "--layers", str(layers)]
+    t0 = time.time()
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
+    out = [ln for ln in res.stdout.splitlines() if ln.startswith("CHILD ")]
+    row = json.loads(out[-1][6:]) if out else {"impl": impl, "error": res.stderr[-1500:]}
+    row["wall_s"] = time.time() - t0
+    rows.append(row)
+    log(json.dumps(row))
+  return rows
+
+
+def _bitwise_decode_equals_training(cfg, kern, b=4, t=1500):
+  """For tile config ``cfg``: decode rows (heads tiles over a stale cache) == training rows, FP8 and BF16 K/V."""
+  ok = True
+  for fp8 in (False, True):
+    q, k, v, _ = _inputs(b, t, seed=7 + fp8)
+    ks = vs = jnp.float32(1.0)
+    if fp8:
+      ks, vs = jnp.float32(4 / 448), jnp.float32(4 / 448)
+      k, v = kvcache.quantize_kv(k, ks), kvcache.quantize_kv(v, vs)
+    qs, vsc = attn._scales(D, ks, vs)
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    train, _ = kern.attention_seq(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), pos, qs, vsc, config=cfg)
+    s = kvcache.padded_len(t + 200)
+    ck = jnp.zeros((b, s, KV, D), k.dtype).at[:, :t].set(k)
+    cv = jnp.full((b, s, KV, D), jnp.nan, jnp.float32).astype(v.dtype).at[:, :t].set(v)
+    ps = jnp.asarray(np.random.default_rng(t + fp8).integers(0, t, b), jnp.int32)
+    dec = kern.attention_heads(q[jnp.arange(b), ps], ck, cv, ps, qs, vsc, config=cfg)
+    ok &= bool(np.array_equal(np.asarray(dec), np.asarray(train[jnp.arange(b), ps])))
+  return ok
+
+
+def sweep_rows(b=8, t=4096, slots=256, max_len=1536, mean_ctx=1024):
+  """Tile / pipeline configs side by side: training forward, fwd+bwd, decode (FP8 and BF16 K/V), and whether the
+  config's decode rows equal its training rows bit for bit."""
+  from pallas_kernels import attention_triton as kern  # noqa: PLC0415
+  TC = kern.TuningConfig
+  fwd_cfgs = [TC(), TC(decode_block_q=16, decode_num_warps=1), TC(decode_block_q=16, decode_num_warps=4),
+              TC(decode_block_q=32, decode_num_warps=2), TC(decode_block_q=64, decode_num_warps=4, decode_num_stages=3)]
+  bwd_cfgs = [TC()]
+  q, k, v, do = jax.block_until_ready(_inputs(b, t, seed=3))
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  qs, vsc = attn._scales(D, None, None)
+  fwd_flops = 4 * b * H * t * t * D / 2
+  rng = np.random.default_rng(0)
+  dpos = jnp.asarray(np.clip(rng.integers(mean_ctx // 2, mean_ctx * 3 // 2, slots), 0, max_len - 1), jnp.int32)
+  dq_ = jax.random.normal(jax.random.key(5), (slots, H, D), jnp.bfloat16)
+  caches = {}
+  for fp8 in (True, False):
+    dt = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    caches[fp8] = [(jax.random.normal(jax.random.key(10 + i + fp8), (slots, max_len, KV, D), jnp.float32)
+                    * (30 if fp8 else 1)).astype(dt) for i in range(2)]
+  rows = []
+  for kind, cfgs in (("fwd", fwd_cfgs), ("bwd", bwd_cfgs)):
+    for cfg in cfgs:
+      row = {"kind": kind, "config": str(cfg)}
+      try:
+        if kind == "fwd":
+          ms, _ = jax_time_ms(lambda q, k, v, c=cfg: kern.attention_seq(q, k, v, pos, qs, vsc, config=c)[0],
+                              [(q, k, v)])
+          row.update(fwd_ms=ms, fwd_tflops=fwd_flops / ms / 1e9)
+          for fp8, (ck, cv) in caches.items():
+            live = float(np.sum(np.asarray(dpos) + 1)) * KV * D * 2 * jnp.dtype(ck.dtype).itemsize
+            ms, _ = jax_time_ms(lambda q, ck, cv, p, c=cfg: kern.attention_heads(q, ck, cv, p, qs, vsc, config=c),
+                                [(dq_, ck, cv, dpos)], iters=10)
+            row["decode_fp8_us" if fp8 else "decode_bf16_us"] = ms * 1e3
+            row["decode_fp8_gbps" if fp8 else "decode_bf16_gbps"] = live / ms / 1e6
+          row["bitwise_decode_eq_train"] = _bitwise_decode_equals_training(cfg, kern)
+        else:
+          f = lambda q, k, v, do, c=cfg: jax.vjp(lambda q, k, v: attn._flash_train(q, k, v, qs, vsc, c),  # noqa
+                                                 q, k, v)[1](do)
+          ms, _ = jax_time_ms(f, [(q, k, v, do)])
+          row.update(fwd_bwd_ms=ms)
+      except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[:300]
+        log(f"  sweep {cfg} failed:", traceback.format_exc()[-1500:])
+      rows.append(row)
+      log(json.dumps(row))
+  return rows
+
+
+def fmt(x, f="{:.0f}"):
+  return "-" if x is None else f.format(x)
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--cases", default="8x4096,1x16384")
+  p.add_argument("--no_decode", action="store_true")
+  p.add_argument("--train_step", action="store_true")
+  p.add_argument("--sweep", action="store_true", help="tile / pipeline configs side by side (and their bits)")
+  p.add_argument("--seqs", type=int, default=8)
+  p.add_argument("--seq_len", type=int, default=4096)
+  p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--impls", default="ours,cudnn,xla_einsum")
+  p.add_argument("--out", default=os.environ.get("OUT", "."))
+  p.add_argument("--_child", default=None)
+  a = p.parse_args()
+  if a._child:
+    print("CHILD " + json.dumps(_train_step_child(a._child, a.seqs, a.seq_len, a.layers)), flush=True)
+    return 0
+  log("device:", jax.devices()[0].device_kind, "| jax", jax.__version__, "| date", time.strftime("%Y-%m-%d %H:%M:%S"))
+  result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d")}
+  if a.sweep:
+    result["sweep"] = rows = sweep_rows()
+    name = "attention_sweep.json"
+    table = [f"{'kind':4s} {'fwd TF/s':>8s} {'fwd+bwd ms':>10s} {'dec fp8 GB/s':>12s} {'dec bf16 GB/s':>13s} "
+             f"{'bitwise':>7s}  config"]
+    table += [f"{r['kind']:4s} {fmt(r.get('fwd_tflops')):>8s} {fmt(r.get('fwd_bwd_ms'), '{:.2f}'):>10s} "
+              f"{fmt(r.get('decode_fp8_gbps')):>12s} {fmt(r.get('decode_bf16_gbps')):>13s} "
+              f"{str(r.get('bitwise_decode_eq_train', '-')):>7s}  {r['config']}" + (" ERROR" if "error" in r else "")
+              for r in rows]
+  elif a.train_step:
+    result["train_step"] = rows = train_step_rows(a.seqs, a.seq_len, a.layers, a.impls.split(","))
+    name = "attention_train_step.json"
+    table = [f"{'impl':12s} {'seqs x len':>11s} {'step s':>8s} {'peak GiB':>9s} {'loss':>8s}"]
+    table += [f"{r['impl']:12s} {str(r.get('seqs')) + 'x' + str(r.get('seq_len')):>11s} "
+              f"{fmt(r.get('step_s'), '{:.3f}'):>8s} {fmt(r.get('peak_gib'), '{:.1f}'):>9s} "
+              f"{fmt(r.get('loss'), '{:.4f}'):>8s}" + (" ERROR" if "error" in r else "") for r in rows]
+  else:
+    cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",")]
+    result["kernels"] = rows = kernel_rows(cases)
+    table = [f"{'case':9s} {'impl':6s} {'fwd TF/s':>9s} {'bwd TF/s':>9s} {'fwd ms':>8s} {'bwd ms':>8s} "
+             f"{'temp GiB':>9s} {'err vs cudnn':>13s}"]
+    table += [f"{r['case']:9s} {r['impl']:6s} {fmt(r.get('fwd_tflops')):>9s} {fmt(r.get('bwd_tflops')):>9s} "
+              f"{fmt(r.get('fwd_ms'), '{:.2f}'):>8s} {fmt(r.get('bwd_ms'), '{:.2f}'):>8s} "
+              f"{fmt(r.get('fwd_bwd_temp_gib'), '{:.2f}'):>9s} "
+              f"{fmt(r.get('fwd_err_vs_cudnn'), '{:.1e}'):>13s}" + (" ERROR" if "error" in r else "") for r in rows]
+    if not a.no_decode:
+      drows, bw = decode_rows()
+      result["decode"], result["copy_gbps"] = drows, bw
+      table += ["", f"decode (256 slots, mean ctx {drows[0]['mean_ctx']:.0f}, one layer; copy bw {bw:.0f} GB/s)",
+                f"{'kv':5s} {'impl':16s} {'us/layer':>9s} {'live GB/s':>10s} {'of copy bw':>10s}"]
+      table += [f"{r['decode']:5s} {r['impl']:16s} {fmt(r.get('ms_per_layer') and r['ms_per_layer'] * 1e3):>9s} "
+                f"{fmt(r.get('live_gbps')):>10s} {fmt(r.get('frac_of_copy_bw'), '{:.2f}'):>10s}" for r in drows]
+    name = "attention_h200.json"
+  result["backends"] = ops.backend_report()
+  with open(os.path.join(a.out, name), "w") as f:
+    json.dump(result, f, indent=1)
+  with open(os.path.join(a.out, name.replace(".json", ".log")), "w") as f:
+    f.write("\n".join(LOG))
+  print("\n" + "\n".join(table))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
