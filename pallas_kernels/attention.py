@@ -64,63 +64,95 @@ def pad_keys(x_BxSxKxD, block: int = BLOCK_KV):
   return x_BxSxKxD if sp == s else jnp.pad(x_BxSxKxD, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
 
 
-def _dots(q_BxTxKxGxD, k_BxNxKxD, v_BxNxKxD):
-  """The two block dots, FP32-accumulated, as XLA dots.
+ROW_TILE = 16  # rows per fixed-shape tile of the CPU reference (see attention_reference)
 
-  Dots, not products and reductions: on XLA:CPU a product-and-reduce form lets the producers of q (RoPE) fuse into
-  the reduction, where LLVM contracts their multiply-adds differently per fusion, so decode and training rows
-  drifted apart (seen: 40% of hidden values equal through a 3-layer model); a dot is a fusion boundary. XLA:CPU's
-  dots over a 64/128-wide contraction give every row the same bits whatever the number of rows (tested,
-  tests/test_attention.py).
+
+def _block_update(carry, q_RxD, kb_NxD, vb_NxD, start, pos_R, last, qk_scale):
+  """One key block [start, start + N) of the contract's online softmax for rows (..., R) sharing the keys (..., N).
+
+  ``last``: the largest position among rows sharing these keys (V rows past it are zeroed: stale cache rows).
   """
-  s = jnp.einsum("btkgd,bnkd->btkgn", q_BxTxKxGxD, k_BxNxKxD, preferred_element_type=jnp.float32)
-  return s, lambda p: jnp.einsum("btkgn,bnkd->btkgd", p, v_BxNxKxD, preferred_element_type=jnp.float32)
+  m, l, acc = carry
+  dtype = q_RxD.dtype
+  key = start + jnp.arange(kb_NxD.shape[-2], dtype=jnp.int32)
+  vb = jnp.where((key <= last[..., None])[..., :, None], vb_NxD.astype(dtype), jnp.zeros((), dtype))
+  s = jnp.einsum("...rd,...nd->...rn", q_RxD, kb_NxD.astype(dtype), preferred_element_type=jnp.float32) * qk_scale
+  s = jnp.where(key <= pos_R[..., :, None], s, -jnp.inf)
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+  m0 = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m - m0)
+  p = jnp.exp2(s - m0[..., None])
+  l_new = l * alpha + jnp.sum(p, axis=-1)
+  acc_new = acc * alpha[..., None] + jnp.einsum("...rn,...nd->...rd", p.astype(dtype), vb,
+                                                preferred_element_type=jnp.float32)
+  active = start <= pos_R  # blocks after a row's own are not visited
+  return jnp.where(active, m_new, m), jnp.where(active, l_new, l), jnp.where(active[..., None], acc_new, acc)
+
+
+def _attend_rows(q_RxD, k_NbxbkxD, v_NbxbkxD, pos_R, last, qk_scale):
+  """Rows (..., R) over key blocks (Nb, ..., bk, D) in order -> (m, l, acc) of the contract."""
+  lead, (r, d) = q_RxD.shape[:-2], q_RxD.shape[-2:]
+  bk = k_NbxbkxD.shape[-2]
+
+  def body(carry, xs):
+    n, kb, vb = xs
+    return _block_update(carry, q_RxD, kb, vb, n * bk, pos_R, last, qk_scale), None
+
+  init = (jnp.full((*lead, r), -jnp.inf, jnp.float32), jnp.zeros((*lead, r), jnp.float32),
+          jnp.zeros((*lead, r, d), jnp.float32))
+  nb = k_NbxbkxD.shape[0]
+  return jax.lax.scan(body, init, (jnp.arange(nb, dtype=jnp.int32), k_NbxbkxD, v_NbxbkxD))[0]
 
 
 def attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, *, block_kv: int = BLOCK_KV):
   """The contract in plain jnp (module docstring) -> (out_BxTxHxD in q's dtype, lse_BxHxT FP32 in log2 units).
 
-  Differentiable by JAX autodiff (the independent reference for the kernels' backward pass); it holds the per-block
-  scores of every row, so it is for tests, CPU runs and fallbacks, not for 4096-token training on a GPU.
+  Rows are the (position, head) pairs of each (sequence, key/value head). On XLA:CPU they are cut into fixed-shape
+  tiles of ROW_TILE rows, and one ``lax.map`` body (a tile's loop over its key blocks) computes every tile, so every
+  row goes through the same compiled code whatever the batch, the number of rows or the key length: decode rows
+  equal training rows bit for bit (tests/test_attention.py). Vectorizing over all rows instead lets XLA:CPU pick its
+  code by the whole shape (seen: one row in ~90k a BF16 ulp off, a 4 x 700 batch); letting producers fuse into the
+  reductions changes their rounding per fusion (seen: 40% of a 3-layer model's hidden values). Elsewhere (GPUs,
+  where the kernels provide the invariance) all rows are vectorized. Differentiable by JAX autodiff: the independent
+  reference for the kernels' backward pass. It keeps each block's scores for the backward, so it is for tests, CPU
+  runs and fallbacks, not for 4096-token training on a GPU.
   """
   check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT)
   b, t, h, d = q_BxTxHxD.shape
   n_kv = k_BxSxKxD.shape[2]
-  g = h // n_kv
+  g, r = h // n_kv, t * (h // n_kv)
   dtype = q_BxTxHxD.dtype
   k, v = pad_keys(k_BxSxKxD, block_kv), pad_keys(v_BxSxKxD, block_kv)
   nb = k.shape[1] // block_kv
-  q = q_BxTxHxD.reshape(b, t, n_kv, g, d)
+  q_BxKxRxD = q_BxTxHxD.reshape(b, t, n_kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, n_kv, r, d)
   pos = q_pos_BxT.astype(jnp.int32)
-  last_key_B = jnp.max(pos, axis=1)  # keys past every row's position (stale cache rows) are zeroed
-  blocks_NxBxbkxKxD = [x.reshape(b, nb, block_kv, n_kv, d).swapaxes(0, 1) for x in (k, v)]
+  pos_BxR = jnp.repeat(pos, g, axis=1)
+  last_B = jnp.max(pos, axis=1)
   qk_scale = jnp.asarray(qk_scale, jnp.float32)
+  kb, vb = (x.reshape(b, nb, block_kv, n_kv, d).transpose(1, 0, 3, 2, 4) for x in (k, v))  # (Nb, B, K, bk, D)
+  if jax.default_backend() != "cpu":
+    m, l, acc = _attend_rows(q_BxKxRxD, kb, vb, pos_BxR[:, None], last_B[:, None], qk_scale)
+  else:
+    rp = -(-r // ROW_TILE) * ROW_TILE
+    nt = rp // ROW_TILE
+    q_t = jnp.pad(q_BxKxRxD, ((0, 0), (0, 0), (0, rp - r), (0, 0))).reshape(b * n_kv * nt, ROW_TILE, d)
+    pos_t = jnp.broadcast_to(jnp.pad(pos_BxR, ((0, 0), (0, rp - r)), constant_values=-1).reshape(b, 1, nt, ROW_TILE),
+                             (b, n_kv, nt, ROW_TILE)).reshape(-1, ROW_TILE)
+    tile_b = jnp.repeat(jnp.arange(b, dtype=jnp.int32), n_kv * nt)
+    tile_k = jnp.tile(jnp.repeat(jnp.arange(n_kv, dtype=jnp.int32), nt), b)
 
-  def body(carry, xs):
-    m, l, acc = carry
-    n, kb, vb = xs
-    key = n * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
-    vb = jnp.where((key[None, :] <= last_key_B[:, None])[:, :, None, None], vb.astype(dtype), jnp.zeros((), dtype))
-    raw, pv = _dots(q, kb.astype(dtype), vb)
-    s = raw * qk_scale
-    s = jnp.where((key[None, None, :] <= pos[:, :, None])[:, :, None, None, :], s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    m0 = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m - m0)
-    p = jnp.exp2(s - m0[..., None])
-    l_new = l * alpha + jnp.sum(p, axis=-1)
-    acc_new = acc * alpha[..., None] + pv(p.astype(dtype))
-    active = (n * block_kv <= pos)[:, :, None, None]  # blocks after the row's own are not visited
-    return (jnp.where(active, m_new, m), jnp.where(active, l_new, l), jnp.where(active[..., None], acc_new, acc)), None
+    def tile(xs):
+      q1, p1, bi, ki = xs
+      return _attend_rows(q1, kb[:, bi, ki], vb[:, bi, ki], p1, last_B[bi], qk_scale)
 
-  init = (jnp.full((b, t, n_kv, g), -jnp.inf, jnp.float32), jnp.zeros((b, t, n_kv, g), jnp.float32),
-          jnp.zeros((b, t, n_kv, g, d), jnp.float32))
-  (m, l, acc), _ = jax.lax.scan(body, init, (jnp.arange(nb, dtype=jnp.int32), *blocks_NxBxbkxKxD))
+    m, l, acc = jax.lax.map(tile, (q_t, pos_t, tile_b, tile_k))
+    m, l = (x.reshape(b, n_kv, rp)[..., :r] for x in (m, l))
+    acc = acc.reshape(b, n_kv, rp, d)[..., :r, :]
   seen = l > 0
   inv = jnp.where(seen, jnp.asarray(v_scale, jnp.float32) / jnp.where(seen, l, 1.0), 0.0)
-  out = (acc * inv[..., None]).astype(dtype).reshape(b, t, h, d)
-  lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf).reshape(b, t, h).transpose(0, 2, 1)
-  return out, lse
+  out = (acc * inv[..., None]).astype(dtype).reshape(b, n_kv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
+  lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf).reshape(b, n_kv, t, g)
+  return out, lse.transpose(0, 1, 3, 2).reshape(b, h, t)
 
 
 def attention_dense(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale):

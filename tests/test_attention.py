@@ -119,6 +119,18 @@ def test_decode_and_prefill_rows_equal_training_rows_bitwise(fp8):
   np.testing.assert_array_equal(np.asarray(pre), np.asarray(full[:, :150]))
 
 
+def test_decode_rows_equal_training_rows_at_a_shape_where_vectorized_xla_cpu_rounds_differently():
+  """Regression: with all rows vectorized, XLA:CPU gave row (3, 699), head 5 of this 4 x 700 batch a different l
+  (one FP32 ulp, one BF16 output ulp) than the same row decoded alone; the fixed-shape row tiles fix it."""
+  q = jax.random.normal(jax.random.key(0), (4, 700, 32, 128), jnp.bfloat16)
+  kv = jax.random.normal(jax.random.key(1), (4, 700, 8, 128), jnp.bfloat16)
+  train = fp8jax.jit(lambda q, k, v: attn.attend(q, k, v, backend="xla"))(q, kv, kv)
+  cache = jnp.zeros((4, kvcache.padded_len(700), 8, 128), jnp.bfloat16).at[:, :700].set(kv)
+  dec = fp8jax.jit(lambda q, k, v, p: attn.attend(q, k, v, p, backend="xla"))(q[:, -1:], cache, cache,
+                                                                             jnp.full((4, 1), 699))
+  np.testing.assert_array_equal(np.asarray(dec), np.asarray(train[:, -1:]))
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # CPU: the kernels in interpret mode
 # ------------------------------------------------------------------------------------------------------------------

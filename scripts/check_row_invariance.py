@@ -1,0 +1,116 @@
+"""Which ops on the log-prob path change a row's bits with the batch shape? (the exact-one-engine issue's hunt)
+
+  PYTHONPATH=. python3 scripts/check_row_invariance.py [--out FILE.json]
+
+Each op of the model's log-prob path runs alone (its own jit, as fp8jax.jit compiles it) on a training-sized batch
+of rows (--m_train, 8192: the trainer's tokens) and on a decode-sized one (M = 64 slots, and M = 1), the small batches being
+rows of the large one. An op whose decode rows are not bitwise its training rows makes the sampler's log-probs
+differ from the trainer's; the table says which, with the max |difference| and the fraction of rows that differ.
+Shapes are Llama-3.1-8B's (D 4096, vocab 128256) and check_one_engine's (D 1024, vocab 32768). Inside the real
+steps XLA fuses ops with their neighbours, which can change the picture again; check_one_engine measures the whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fp8jax  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from fp8jax import attention as attn  # noqa: E402
+from fp8jax import kvcache, ops, quant  # noqa: E402
+from fp8jax.model import llama  # noqa: E402
+from fp8jax.model.config import ModelConfig  # noqa: E402
+
+M_DECODE = 64
+
+
+def _ops(d: int, vocab: int):
+  """name -> (fn over row-batched arrays, list of per-row input shapes and dtypes) for one model width."""
+  k = jax.random.key(d)
+  norm_w = 1 + 0.1 * jax.random.normal(k, (d,), jnp.float32)
+  head = (0.02 * jax.random.normal(jax.random.fold_in(k, 1), (vocab, d), jnp.float32)).astype(jnp.bfloat16)
+  w_fp8 = quant.quantize_weight(0.02 * jax.random.normal(jax.random.fold_in(k, 2), (3 * d, d), jnp.float32))
+  cfg = ModelConfig(vocab_size=vocab, dim=d, n_layers=1, n_heads=d // 128, n_kv_heads=max(1, d // 512),
+                    head_dim=128, ffn_dim=4 * d, rope_theta=500000.0, rope_scaling=(8.0, 1.0, 4.0, 8192))
+  inv = llama.rope_inv_freq(cfg)
+  bf = jnp.bfloat16
+  return {
+      "rms_norm": (lambda x: llama.rms_norm(x, norm_w, 1e-5), [((d,), bf)]),
+      "rope (positions as rows)": (lambda x, p: llama.apply_rope(x[:, None], p[:, None], inv)[:, 0],
+                                   [((cfg.n_heads, 128), bf), ((), jnp.int32)]),
+      "silu(gate) * up": (lambda g, u: (jax.nn.silu(g.astype(jnp.float32)).astype(bf) * u), [((4 * d,), bf)] * 2),
+      "linear bf16 (lm_head)": (lambda x: ops.linear(x, head, ops.LinearConfig(out_dtype="float32")),
+                                [((d,), bf)]),
+      "linear fp8 (qkv-like)": (lambda x: ops.linear(x, w_fp8), [((d,), bf)]),
+      "log_softmax[token]": (lambda lg, t: llama.token_logprobs(lg, t), [((vocab,), jnp.float32), ((), jnp.int32)]),
+      "entropy": (lambda lg: llama.token_entropy(lg), [((vocab,), jnp.float32)]),
+      "lm_head + log_softmax[token]": (lambda x, t: llama.token_logprobs(
+          ops.linear(x, head, ops.LinearConfig(out_dtype="float32")), t), [((d,), bf), ((), jnp.int32)]),
+      "kv quantize (codes)": (lambda x: kvcache.quantize_kv(x, jnp.float32(0.01)), [((8, 128), bf)]),
+  }
+
+
+def _rand(key, shape, dtype, m, int_hi):
+  if dtype == jnp.int32:  # token ids (< vocab) or positions (< 8192)
+    return jax.random.randint(key, (m, *shape), 0, int_hi)
+  return (jax.random.normal(key, (m, *shape), jnp.float32) * 2).astype(dtype)
+
+
+def check(d: int, vocab: int, m_train: int):
+  rows = []
+  for name, (fn, specs) in _ops(d, vocab).items():
+    args = [_rand(jax.random.key(i), s, dt, m_train, vocab if "token" in name else 8192)
+            for i, (s, dt) in enumerate(specs)]
+    f = fp8jax.jit(fn)
+    full = np.asarray(f(*args)).astype(np.float32)
+    row = {"op": name, "d": d, "vocab": vocab}
+    for m in (M_DECODE, 1):
+      idx = np.random.default_rng(m).choice(m_train, m, replace=False)
+      part = np.asarray(f(*[a[idx] for a in args])).astype(np.float32)
+      diff = np.abs(part - full[idx])
+      bad_rows = np.any(diff.reshape(m, -1) != 0, axis=1) if part.ndim > 1 else diff != 0
+      row[f"m{m}_rows_differ"] = float(np.mean(bad_rows))
+      row[f"m{m}_max_abs_diff"] = float(np.nanmax(diff)) if diff.size else 0.0
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  return rows
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default="")
+  ap.add_argument("--m_train", type=int, default=8192, help="rows of the training-sized batch")
+  ap.add_argument("--small", action="store_true", help="only check_one_engine's width (D 1024, vocab 32768)")
+  a = ap.parse_args()
+  rows = check(1024, 32768, a.m_train) + ([] if a.small else check(4096, 128256, a.m_train))
+  # attention: decode rows vs training rows (the op's own promise, for completeness)
+  q = jax.random.normal(jax.random.key(0), (4, 700, 32, 128), jnp.bfloat16)
+  kv = jax.random.normal(jax.random.key(1), (4, 700, 8, 128), jnp.bfloat16)
+  train = np.asarray(fp8jax.jit(lambda q, k, v: attn.attend(q, k, v))(q, kv, kv))
+  cache = jnp.zeros((4, kvcache.padded_len(700), 8, 128), jnp.bfloat16).at[:, :700].set(kv)
+  ps = jnp.asarray([0, 100, 500, 699], jnp.int32)
+  dec = np.asarray(fp8jax.jit(lambda q, k, v, p: attn.attend(q, k, v, p))(q[jnp.arange(4), ps][:, None], cache,
+                                                                         cache, ps[:, None]))[:, 0]
+  rows.append({"op": "attention (decode vs training)", "d": 4096, "m1_rows_differ": float(np.mean(np.any(
+      dec != train[np.arange(4), np.asarray(ps)], axis=(1, 2))))})
+  print(f"device: {jax.devices()[0].device_kind}; backends: {ops.backend_report()}")
+  print(f"{'op':32s} {'D':>5s} {'V':>7s} {'M=64 rows differ':>17s} {'max|diff|':>10s} {'M=1 rows differ':>16s}")
+  for r in rows:
+    print(f"{r['op']:32s} {r['d']:5d} {r.get('vocab', 0):7d} {r.get('m64_rows_differ', float('nan')):17.3f} "
+          f"{r.get('m64_max_abs_diff', float('nan')):10.2e} {r.get('m1_rows_differ', float('nan')):16.3f}")
+  if a.out:
+    with open(a.out, "w") as f:
+      json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
