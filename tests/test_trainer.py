@@ -183,6 +183,22 @@ def test_tiny_default_learns(tmp_path):
   assert np.mean(rewards[-30:]) >= np.mean(rewards[:30]) + 0.1, (rewards[:30], rewards[-30:])
 
 
+@pytest.mark.parametrize("key,value,match", [
+    ("train.steps", -1, r"train\.steps=-1 must be >= 0"),
+    ("grpo.num_generations", 1, r"grpo\.num_generations=1 must be >= 2 with grpo\.leave_one_out=True"),
+    ("checkpoint.every", 0, r"checkpoint\.every=0 must be >= 1"),
+    ("train.val_every", 0, r"train\.val_every=0 must be >= 1"),
+    ("rollout.max_new_tokens", 17, r"rollout\.max_new_tokens=17 must be in \[1, rollout\.max_len=16\)"),
+    ("grpo.microbatch", 0, r"grpo\.microbatch=0 must be >= 1"),
+])
+def test_bad_config_is_named_before_work_starts(tmp_path, monkeypatch, key, value, match):
+  """Each of these used to run to exit 0 doing nothing, be silently capped, or crash after the warm start."""
+  monkeypatch.setattr(trainer_lib.RLTrainer, "_init_state", lambda self: pytest.fail("work started"))
+  with pytest.raises(ValueError, match=match):
+    trainer_lib.RLTrainer(small_config(**{key: value}), str(tmp_path))
+  assert not os.listdir(tmp_path)
+
+
 def test_llama8b_recipe_says_what_to_download(tmp_path):
   from configs import llama8b_bf16, llama8b_fp8
 

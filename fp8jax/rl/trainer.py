@@ -66,6 +66,14 @@ class GRPOConfig:
     return self.num_prompts * self.num_generations
 
   def __post_init__(self):
+    for key in ("num_prompts", "minibatches", "microbatch"):
+      if getattr(self, key) < 1:
+        raise ValueError(f"grpo.{key}={getattr(self, key)} must be >= 1")
+    if self.num_generations < 2:
+      # A group of one has no baseline: every advantage is 0, and the run would train on nothing and exit 0.
+      loo = " with grpo.leave_one_out=True (the leave-one-out baseline needs another completion)" \
+          if self.leave_one_out else " (a group of one has advantage 0: nothing to learn from)"
+      raise ValueError(f"grpo.num_generations={self.num_generations} must be >= 2{loo}")
     if self.batch % self.minibatches:
       raise ValueError(f"grpo.num_prompts*num_generations={self.batch} must divide by grpo.minibatches={self.minibatches}")
     mb = self.batch // self.minibatches
@@ -187,11 +195,41 @@ class NonFiniteLoss(RuntimeError):
   pass
 
 
+def validate_config(c) -> None:
+  """Checks, before any work starts, the values that would otherwise fail late or be silently ignored.
+
+  Each error names the config key. (Group-local checks live in the groups' dataclasses: GRPOConfig, ModelConfig,
+  quant.Recipe, SamplerConfig.)
+  """
+  def need(ok, key, why):
+    if not ok:
+      group, field = key.split(".")
+      raise ValueError(f"{key}={c[group][field]!r} {why}")
+
+  need(int(c.train.steps) >= 0, "train.steps", "must be >= 0 (0 runs the warm start and the first validation only)")
+  need(int(c.train.val_every) >= 1, "train.val_every",
+       "must be >= 1 (validation runs every val_every steps and at the last one; a value above train.steps "
+       "validates at the end only)")
+  need(int(c.train.val_prompts) >= 1, "train.val_prompts", "must be >= 1")
+  need(int(c.checkpoint.every) >= 1, "checkpoint.every",
+       "must be >= 1 (a checkpoint is written every `every` steps and at the last one; a value above train.steps "
+       "checkpoints at the end only)")
+  need(int(c.checkpoint.keep) >= 1, "checkpoint.keep", "must be >= 1")
+  need(int(c.warmstart.steps) >= 0, "warmstart.steps", "must be >= 0")
+  if int(c.warmstart.steps):
+    need(int(c.warmstart.batch) >= 1, "warmstart.batch", "must be >= 1")
+  r = c.rollout
+  need(1 <= int(r.max_new_tokens) < int(r.max_len), "rollout.max_new_tokens",
+       f"must be in [1, rollout.max_len={r.max_len}): prompt (>= 1 token) and completion share rollout.max_len, "
+       f"so more new tokens than that could never be generated")
+
+
 class RLTrainer:
   """Owns the state, the sampler, the task and the writers of one run (built from a ConfigDict)."""
 
   def __init__(self, config, workdir: str | None = None, *, devices=None):
     self.c = config
+    validate_config(config)
     self.workdir = workdir or config.workdir
     hf_dir = config.checkpoint.hf_dir
     if hf_dir:  # the architecture comes from the checkpoint (config.model is ignored then)
