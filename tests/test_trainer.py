@@ -36,6 +36,20 @@ def small_config(**overrides):
   return c
 
 
+def _parity_score(self, ro, answers):
+  """A reward with variance in every group of an untrained model: 1 where the first completion token id is even.
+
+  The 2-step warm start of small_config scores 0 on the real task, so every advantage, gradient and KL is 0; tests
+  that need the policy to move use this (a pure function of the rollout, so resumed runs see the same rewards).
+  """
+  return (np.asarray(ro.tokens)[:len(answers), 0] % 2 == 0).astype(np.float32)
+
+
+@pytest.fixture
+def parity_reward(monkeypatch):
+  monkeypatch.setattr(trainer_lib._ArithmeticSource, "score", _parity_score)
+
+
 def test_full_rl_step_and_one_engine_mismatch(tmp_path):
   tr = trainer_lib.RLTrainer(small_config(), str(tmp_path))
   tr.warmstart()
@@ -94,11 +108,44 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(tmp_path):
   tr.save(1)
   bad = jax.tree.map(lambda x: x * jnp.nan if x.ndim == 2 else x, tr.state.params)
   tr.state = trainer_lib.TrainState(bad, tr.state.opt_state, tr.state.step)
-  with pytest.raises(trainer_lib.NonFiniteLoss, match="RL step 1"):
-    tr.step(1)
+  with pytest.raises(trainer_lib.NonFiniteLoss, match="RL step 2 .*latest checkpoint, step 1"):
+    tr.step(1)  # 0-based: metrics row 2
   assert tr.ckpt.latest_step() == 1
   restored, meta = tr.ckpt.restore(1, tr.state)
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(restored.params)) and meta["step"] == 1
+
+
+def test_nonfinite_update_stops_before_it_is_saved(tmp_path, parity_reward):
+  """optim.lr=1e39: the loss of step 1 is finite (computed before the update), the updated weights are not. The
+  step must raise (run() saves only after it returns, so train.steps=1 no longer exits 0 with a NaN checkpoint)."""
+  tr = trainer_lib.RLTrainer(small_config(**{"optim.lr": 1e39}), str(tmp_path))
+  with pytest.raises(trainer_lib.NonFiniteLoss, match=r"RL step 1 \(minibatch 1 of 1\).*weights finite: False"
+                     r".*no checkpoint has been written"):
+    tr.step(0)
+
+
+def test_diverging_lr_stops_and_keeps_finite_checkpoints(tmp_path, parity_reward):
+  """optim.lr=1e6: weights reach ~1e6 after one step; the second step must stop the run (it used to collapse to a
+  zero hidden state, loss 0 and grad_norm 0, and exit 0), and the checkpoint on disk stays finite."""
+  tr = trainer_lib.RLTrainer(small_config(**{"optim.lr": 1e6}), str(tmp_path))
+  tr.step(0)
+  tr.save(1)
+  with pytest.raises(trainer_lib.TrainingDiverged, match="RL step 2 .*latest checkpoint, step 1"):
+    tr.step(1)
+  restored, _ = tr.ckpt.restore(1, tr.state)
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(restored.params))
+
+
+def test_collapsed_policy_stops_the_run(tmp_path, parity_reward, monkeypatch):
+  """A policy whose hidden state is 0 (what FP32 overflow in the norm produced) has uniform logits and an exactly
+  zero gradient although its advantages are not: stopped, not trained on as if the run were fine."""
+  from fp8jax.model import llama  # noqa: PLC0415
+
+  monkeypatch.setattr(llama, "rms_norm", lambda x, w, eps: jnp.zeros_like(x))
+  tr = trainer_lib.RLTrainer(small_config(), str(tmp_path))
+  with pytest.raises(trainer_lib.PolicyCollapsed, match=r"RL step 1 .*gradient is exactly 0 although \d+ sequences"
+                     r".*log\(vocab\) = 4\.852"):
+    tr.step(0)
 
 
 SHARDED_SCRIPT = r"""

@@ -183,6 +183,8 @@ def train_step(state: TrainState, batch: dict, *, loss_fn, tx, cfg, lcfg, recipe
   params = optax.apply_updates(state.params, updates)
   metrics = {k: jnp.mean(v) for k, v in ms.items()}
   metrics.update(loss=loss, grad_norm=optax.tree.norm(grads), k_amax_L=jnp.max(k_amax, 0), v_amax_L=jnp.max(v_amax, 0))
+  # Checked on the host before anything is saved: a finite loss can still give non-finite updated weights.
+  metrics["params_finite_"] = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
   return TrainState(params, opt_state, state.step + 1), metrics
 
 
@@ -191,8 +193,16 @@ def train_step(state: TrainState, batch: dict, *, loss_fn, tx, cfg, lcfg, recipe
 # ------------------------------------------------------------------------------------------------------------------
 
 
-class NonFiniteLoss(RuntimeError):
-  pass
+class TrainingDiverged(RuntimeError):
+  """The run stopped because training diverged; nothing of the failing step was saved."""
+
+
+class NonFiniteLoss(TrainingDiverged):
+  """Non-finite loss, gradient norm or updated weights."""
+
+
+class PolicyCollapsed(TrainingDiverged):
+  """The policy no longer responds to its inputs (exactly zero gradient although advantages are nonzero)."""
 
 
 def validate_config(c) -> None:
@@ -340,6 +350,10 @@ class RLTrainer:
       sb = self.task.supervised_examples(ws.batch, step=i, seq_len=self.scfg.max_len)
       batch = {"tokens": sb.tokens_NxL, "mask": sb.loss_mask_NxL[:, 1:]}
       state, m = self._sft_step(state, sharding.shard_batch(batch, self.mesh))
+    nll = float(m["nll"])
+    if not (math.isfinite(nll) and bool(m["params_finite_"])):  # NaN weights stay NaN: the last step shows it
+      raise NonFiniteLoss(f"warm start diverged by its step {ws.steps}: nll {nll}, updated weights finite: "
+                          f"{bool(m['params_finite_'])} (lower warmstart.lr={ws.lr}); nothing was saved")
     self.state = self._fresh_state(state.params, self.tx, self._state_sh, step=self.state.step)
     self.warm_done = True
     self.kv_scales = None  # recalibrate FP8 KV scales for the warm-started weights
@@ -472,10 +486,8 @@ class RLTrainer:
         mb["kv_scales"] = kv
       lr = float(self.lr_sched(int(self.state.step)))
       self.state, tm = self._grpo_step(self.state, mb)
-      loss = float(tm["loss"])
-      if not math.isfinite(loss):
-        raise NonFiniteLoss(f"non-finite loss {loss} at RL step {step} (minibatch {i}); the last good checkpoint "
-                            f"in {self.ckpt.directory} is left intact")
+      self._check_update(step, i, tm, lr, batch["adv"][i * size:(i + 1) * size], batch["mask"][i * size:(i + 1) * size])
+    tm = {k: v for k, v in tm.items() if k != "params_finite_"}
     timing["train_s"] = time.perf_counter() - t
     t = time.perf_counter()
     if self.recipe.kv_cache == "fp8":  # next rollout's KV scales from this step's training-forward amax
@@ -490,6 +502,33 @@ class RLTrainer:
     metrics["step_s"] = time.perf_counter() - t_step
     metrics.update(timing)
     return metrics
+
+  def _last_checkpoint_text(self) -> str:
+    last = self.ckpt.latest_step()
+    if last is None:
+      return f"no checkpoint has been written to {self.ckpt.directory} yet"
+    return f"the latest checkpoint, step {last} in {self.ckpt.directory}, is from before it (resume from it)"
+
+  def _check_update(self, step: int, minibatch: int, tm: dict, lr: float, adv_B, mask_BxT):
+    """Stops the run, before anything of RL step ``step`` (0-based; messages say step + 1, as metrics do) is saved,
+    when the update is not finite or the policy has collapsed."""
+    loss, gnorm, finite = float(tm["loss"]), float(tm["grad_norm"]), bool(tm["params_finite_"])
+    where = f"RL step {step + 1} (minibatch {minibatch + 1} of {self.gc.minibatches})"
+    if not (math.isfinite(loss) and math.isfinite(gnorm) and finite):
+      raise NonFiniteLoss(f"training diverged at {where}: loss {loss}, grad_norm {gnorm}, updated weights finite: "
+                          f"{finite} (optim.lr={lr:g}); nothing of this step was saved: "
+                          f"{self._last_checkpoint_text()}")
+    # A policy whose hidden state or logits no longer depend on the weights (e.g. overflowed weights: uniform
+    # logits) has an exactly zero gradient although its advantages are not zero; a healthy one cannot, because the
+    # policy-gradient term of every unclipped token with a nonzero advantage contributes.
+    n_adv = int(np.sum(np.any((np.asarray(adv_B)[:, None] != 0) & (np.asarray(mask_BxT) > 0), axis=-1)))
+    if gnorm == 0.0 and n_adv:
+      pmax = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(self.state.params))
+      ent = float(tm.get("entropy", float("nan")))
+      raise PolicyCollapsed(
+          f"policy collapsed at {where}: the gradient is exactly 0 although {n_adv} sequences have nonzero "
+          f"advantages (entropy {ent:.4g}, log(vocab) = {math.log(self.cfg.vocab_size):.4g}; max |weight| "
+          f"{pmax:.3g}): the weights have likely overflowed (optim.lr={lr:g}); {self._last_checkpoint_text()}")
 
   # -- run ----------------------------------------------------------------------------------------------------------
 
