@@ -1,6 +1,7 @@
 """The GRPO loop end to end on the tiny config: a full step, KL skipping, resume, sharding, NaN stop, learning."""
 
 import fp8jax
+import fp8jax.metrics
 
 import json
 import os
@@ -50,10 +51,15 @@ def parity_reward(monkeypatch):
   monkeypatch.setattr(trainer_lib._ArithmeticSource, "score", _parity_score)
 
 
-def test_full_rl_step_and_one_engine_mismatch(tmp_path):
+def test_full_rl_step_and_one_engine_mismatch(tmp_path, monkeypatch):
   tr = trainer_lib.RLTrainer(small_config(), str(tmp_path))
   tr.warmstart()
   before = jax.tree.map(np.asarray, tr.state.params)
+  calls, rollout_prompts = [], []
+  real_prompts, real_generate = tr.task.train_prompts, tr.sampler.generate
+  monkeypatch.setattr(tr.task, "train_prompts", lambda n, step: calls.append(step) or real_prompts(n, step))
+  monkeypatch.setattr(tr.sampler, "generate", lambda p, prompts, sp, **kw: rollout_prompts.append(prompts)
+                      or real_generate(p, prompts, sp, **kw))
   m = tr.step(0)
   for key in ("reward_mean", "reward_std", "token_mult_prob_error", "gen_kl_error", "sampling_importance_ratio",
               "loss", "grad_norm", "clip_frac_low", "clip_frac_high", "entropy", "lr", "gen_len_mean",
@@ -65,6 +71,12 @@ def test_full_rl_step_and_one_engine_mismatch(tmp_path):
   changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(tr.state.params))]
   assert any(changed) or float(m["grad_norm"]) == 0.0
   assert tr.kv_scales is not None and np.all(np.asarray(tr.kv_scales[0]) > 0)
+  # FP8 KV calibration drew prompts before the rollout, and the rollout still got batch 0 (the old MathSource
+  # advanced an iterator, so calibration silently consumed a training batch); the next step gets batch 1.
+  tr.step(1)
+  fresh = trainer_lib._ArithmeticSource(small_config())
+  assert calls == [0, 0, 1] and tr.prompt_batch == 2 and tr._meta(2)["prompt_batch"] == 2
+  assert rollout_prompts == [fresh.train_prompts(4, 0)[0], fresh.train_prompts(4, 1)[0]]
 
 
 def test_kl_beta_zero_skips_reference_forward(tmp_path):
@@ -88,18 +100,35 @@ def _run(workdir, steps, trainer_out=None, **over):
   return tr.run(progress=False)
 
 
-def test_resume_gives_the_same_metrics(tmp_path):
+# Every feature that carries state across a resume (CONVENTIONS 15): the KL reference, FP8 KV scales (tiny config
+# default), dynamic sampling's refills (the prompt position).
+STATEFUL = {"grpo.kl_beta": 0.01, "grpo.dynamic_sampling": True}
+DETERMINISTIC = ("reward_mean", "reward_std", "groups_kept", "loss", "grad_norm", "kl", "entropy",
+                 "token_mult_prob_error", "val_accuracy")
+
+
+def test_resume_gives_the_same_metrics(tmp_path, parity_reward):
   trainers = []
-  full = _run(tmp_path / "a", 3, trainers)
+  full = _run(tmp_path / "a", 3, trainers, **STATEFUL)
   # Each train step compiled once for the whole run (2 SFT steps, 3 GRPO steps): the state keeps its shardings.
   assert trainers[0]._sft_step._cache_size() == 1
   assert trainers[0]._grpo_step._cache_size() == 1
-  _run(tmp_path / "b", 2)
-  resumed = _run(tmp_path / "b", 3)  # restores step 2 and runs step 3
-  keys = ("reward_mean", "loss", "grad_norm", "token_mult_prob_error")
+  # Not a vacuous comparison: the policy moved away from the reference, and dynamic sampling refilled.
+  assert full[-1]["kl"] > 0 and full[-1]["grad_norm"] > 0
+  assert trainers[0].prompt_batch > 3, trainers[0].prompt_batch
+  _run(tmp_path / "b", 2, **STATEFUL)
+  # A row the interrupted run wrote after its last checkpoint (killed before the next one): dropped on resume.
+  with open(tmp_path / "b" / "metrics.jsonl", "a") as f:
+    f.write(json.dumps({"step": 3, "loss": -1.0}) + "\n" + '{"step": 4, "lo')  # and a torn line
+  resumed = _run(tmp_path / "b", 3, **STATEFUL)  # restores step 2 and runs step 3
   assert resumed[-1]["step"] == 3
-  for k in keys:
+  for k in DETERMINISTIC:
     assert resumed[-1][k] == full[-1][k], (k, resumed[-1][k], full[-1][k])
+  rows_a = fp8jax.metrics.read_jsonl(str(tmp_path / "a" / "metrics.jsonl"))
+  rows_b = fp8jax.metrics.read_jsonl(str(tmp_path / "b" / "metrics.jsonl"))
+  assert [r["step"] for r in rows_b] == [0, 1, 2, 3]
+  for ra, rb in zip(rows_a, rows_b):  # (the 2-step run also validated at its last step, 2)
+    assert all(ra.get(k) == rb.get(k) for k in DETERMINISTIC if k != "val_accuracy"), (ra, rb)
 
 
 def test_nonfinite_loss_stops_and_keeps_last_checkpoint(tmp_path):

@@ -9,7 +9,15 @@ Per RL step (``RLTrainer.step``):
      metrics (or of all of them with grpo.recompute_old_logp);
   5. ``train_step`` per minibatch: FP8 forward/dgrad/wgrad, gradient accumulation over microbatches, AdamW;
   6. the next rollout's FP8 KV scales come from the K/V amax the training forward recorded.
-All randomness derives from (seed, step), so an interrupted and resumed run repeats the same metrics.
+All randomness derives from (seed, step); everything else a resumed run needs is in the checkpoint (the frozen KL
+reference policy, FP8 KV scales, the prompt-batch position, the model config it was made with), so an interrupted
+and resumed run repeats the same metrics.
+
+A run directory (``--workdir``) holds one run: ``checkpoints/``, ``metrics.jsonl``, ``tb/``, ``metrics.png`` and
+``.lock``. ``run`` locks it for its duration (a second process on it stops at once, naming the holder); resuming
+drops the metrics rows written after the checkpoint it resumes from (TensorBoard: a purge event hides them), so a
+kill and a resume never duplicate rows; and a run that does not resume refuses a directory that already holds a
+run (it would mix the two: orbax skips saving steps <= the latest one on disk), saying what to do instead.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import json
 import math
 import os
 import time
@@ -29,12 +38,13 @@ import optax
 
 import fp8jax
 from fp8jax import kvcache, ops, quant, sampler as sampler_lib, sharding
-from fp8jax.checkpoint import Checkpointer
+from fp8jax.checkpoint import Checkpointer, WorkdirLock
 from fp8jax.config_utils import dataclass_from_group
 from fp8jax.metrics import MetricsWriter, plot
 from fp8jax.model import llama
 from fp8jax.model.config import ModelConfig
 from fp8jax.rl import grpo
+from fp8jax.rl.source import PromptSource
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +215,14 @@ class PolicyCollapsed(TrainingDiverged):
   """The policy no longer responds to its inputs (exactly zero gradient although advantages are nonzero)."""
 
 
+class CheckpointMismatch(ValueError):
+  """The checkpoint to resume was made with a config it cannot continue under (the message names the keys)."""
+
+
+class RunDirInUse(RuntimeError):
+  """A run that does not resume was pointed at a directory that already holds a run."""
+
+
 def validate_config(c) -> None:
   """Checks, before any work starts, the values that would otherwise fail late or be silently ignored.
 
@@ -260,8 +278,7 @@ class RLTrainer:
                                           kv_cache=self.recipe.kv_cache, decode_chunk=r.decode_chunk)
     self.task = _make_task(config, self.cfg)
     self.sp = sampler_lib.SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                         max_new_tokens=r.max_new_tokens,
-                                         stop_token_ids=tuple(getattr(self.task, "eos_ids", (self.task.eos_id,))))
+                                         max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(self.task.eos_ids))
     if self.recipe.mode == "fp8" and self.cfg.fp8_shape_problems():
       log.warning("FP8 GEMMs will zero-pad: %s", ", ".join(self.cfg.fp8_shape_problems()))
     self.mesh = sharding.make_mesh(config.mesh, devices)
@@ -272,9 +289,11 @@ class RLTrainer:
     self._build_steps()
     self.warm_done = False
     self.state = self._init_state()
-    self.ref_params = None
+    self.ref_params = None  # the frozen KL reference (FP8 sampling weights of the policy when RL started)
     self.kv_scales = None
-    self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=config.checkpoint.keep)
+    self.prompt_batch = 0  # training prompt batches drawn so far (the task's data position; checkpointed)
+    self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=config.checkpoint.keep,
+                             extra_items=("ref",))
 
   # -- setup --------------------------------------------------------------------------------------------------------
 
@@ -318,6 +337,17 @@ class RLTrainer:
     self._logprobs = fp8jax.jit(functools.partial(sequence_logprobs, cfg=self.cfg, lcfg=self.lcfg,
                                                   recipe=self.recipe, temperature=self.sp.temperature))
     self._prepare = fp8jax.jit(functools.partial(sampler_lib.prepare_params, recipe=self.recipe))
+
+  def _ref_abstract(self):
+    """ShapeDtypeStructs (with the mesh's shardings) of the KL reference: ``prepare_params`` of the master params."""
+    shapes = jax.eval_shape(self._prepare, self._param_shapes())
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
+                        sharding.tree_shardings(shapes, self.mesh))
+
+  def take_reference(self):
+    """Freezes the current policy as the KL reference (grpo.kl_beta > 0): run() does so when RL starts."""
+    sh = jax.tree.map(lambda x: x.sharding, self._ref_abstract())
+    self.ref_params = jax.device_put(self._prepare(self.state.params), sh)
 
   def _init_state(self) -> TrainState:
     if self.c.checkpoint.hf_dir:
@@ -393,7 +423,9 @@ class RLTrainer:
     stats = {}
     n_groups = 0
     for attempt in range(1 + (gc.max_refills if gc.dynamic_sampling else 0)):
-      prompts, answers = self.task.train_prompts(gc.num_prompts, step=step * (gc.max_refills + 1) + attempt)
+      # The data position is the count of batches drawn (checkpointed), so refills never skip or repeat prompts.
+      prompts, answers = self.task.train_prompts(gc.num_prompts, step=self.prompt_batch)
+      self.prompt_batch += 1
       t = time.perf_counter()
       sp = dataclasses.replace(self.sp, seed=int(self.c.seed) * 100003 + step * 17 + attempt)
       ro = self.sampler.generate(sparams, prompts, sp, n=gc.num_generations, kv_scales=self._kv_scales())
@@ -470,8 +502,8 @@ class RLTrainer:
     elif self.gc.is_kind != "none":
       raise ValueError("grpo.is_kind needs grpo.recompute_old_logp=True (the trainer's old log-probs)")
     if self.gc.kl_beta:  # the reference forward runs only with a KL penalty
-      if self.ref_params is None:
-        self.ref_params = self._prepare(self.state.params)
+      if self.ref_params is None:  # run() takes it when RL starts; direct step() callers get it here
+        self.take_reference()
       ref_lp, _, _ = self._logprobs(self.ref_params, tokens_j, kv_scales=kv)
       batch["ref_logp"] = np.asarray(ref_lp)
     timing["logprob_s"] = time.perf_counter() - t
@@ -532,39 +564,116 @@ class RLTrainer:
 
   # -- run ----------------------------------------------------------------------------------------------------------
 
+  # Model config keys that change parameter shapes (a checkpoint made with other values cannot be restored).
+  SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "tie_embeddings",
+                "qk_norm")
+
   def _meta(self, step: int) -> dict:
-    meta = {"step": step, "seed": int(self.c.seed), "warm_done": self.warm_done,
-            "kv_scales": None if self.kv_scales is None else [np.asarray(s).tolist() for s in self.kv_scales]}
+    meta = {"step": step, "seed": int(self.c.seed), "warm_done": self.warm_done, "prompt_batch": self.prompt_batch,
+            "kv_scales": None if self.kv_scales is None else [np.asarray(s).tolist() for s in self.kv_scales],
+            "model": json.loads(json.dumps(dataclasses.asdict(self.cfg))), "kl_reference": self.ref_params is not None}
     meta.update(self.task.state())
     return meta
 
   def save(self, step: int):
-    self.ckpt.save(step, self.state, self._meta(step))
+    ref = self.ref_params if self.gc.kl_beta else None
+    self.ckpt.save(step, self.state, self._meta(step), ref=ref)
+
+  def _check_checkpoint_config(self, step: int, meta: dict):
+    """Raises, naming each differing key, when the checkpoint was made with another model shape."""
+    where = self.ckpt.step_dir(step)
+    saved = meta.get("model")
+    if saved is None:
+      log.warning("%s has no model config (written by an older fp8jax): not compared with this config's", where)
+      return
+    now = json.loads(json.dumps(dataclasses.asdict(self.cfg)))
+    diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+    shape = [f"model.{k}={old!r} in the checkpoint, {new!r} now" for k, (old, new) in diff.items() if k in
+             self.SHAPE_KEYS]
+    if shape:
+      raise CheckpointMismatch(f"{where} was saved with another model shape: {'; '.join(shape)}. Resume with the "
+                               f"checkpoint's values, or start a new run in another --workdir")
+    if diff:
+      log.warning("%s was saved with other model settings (%s); resuming with this config's", where,
+                  "; ".join(f"model.{k}={o!r} -> {n!r}" for k, (o, n) in diff.items()))
+
+  def _restore_step(self, step: int):
+    meta = self.ckpt.read_meta(step)
+    self._check_checkpoint_config(step, meta)
+    if not self.gc.kl_beta:
+      return self.ckpt.restore(step, self.state) + ({},)
+    if not meta.get("kl_reference") or not os.path.isdir(os.path.join(self.ckpt.step_dir(step), "ref")):
+      raise CheckpointMismatch(
+          f"{self.ckpt.step_dir(step)} holds no KL reference policy (saved with grpo.kl_beta=0, before RL started, "
+          f"or by an older fp8jax), so grpo.kl_beta={self.gc.kl_beta} cannot resume it with the reference it "
+          f"started from. Resume with grpo.kl_beta=0, or start a new run in another --workdir")
+    return self.ckpt.restore(step, self.state, ref=self._ref_abstract())
 
   def restore(self) -> int:
-    """Restores the latest checkpoint if any; returns the next RL step to run."""
-    last = self.ckpt.latest_step()
-    if last is None:
+    """Restores the newest readable checkpoint if any; returns the next RL step to run.
+
+    A corrupt newest checkpoint is set aside with a warning and the previous one used (fp8jax.checkpoint); a
+    checkpoint of another model shape, or without the KL reference a run with grpo.kl_beta > 0 needs, raises.
+    """
+    found = self.ckpt.restore_latest(self._restore_step)
+    if found is None:
       return 0
-    self.state, meta = self.ckpt.restore(last, self.state)
+    last, (self.state, meta, extra) = found
+    self.ref_params = extra.get("ref")
     self.warm_done = meta["warm_done"]
     self.kv_scales = None
     if meta["kv_scales"] is not None:
       self._set_kv_scales(meta["kv_scales"])
+    if "prompt_batch" in meta:
+      self.prompt_batch = int(meta["prompt_batch"])
+    else:  # written before the position was checkpointed: batch k was drawn for step k // (refills + 1)
+      self.prompt_batch = last * (self.gc.max_refills + 1)
+      log.warning("%s has no prompt_batch (older fp8jax): continuing at prompt batch %d", self.ckpt.step_dir(last),
+                  self.prompt_batch)
     self.task.load_state(meta)
     log.warning("resumed from %s at step %d", self.ckpt.directory, last)
     return last
 
+  def _refuse_used_workdir(self):
+    """A run that does not resume must not start in a directory that already holds one (module docstring)."""
+    steps = self.ckpt.all_steps()
+    metrics = os.path.join(self.workdir, "metrics.jsonl")
+    has_metrics = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
+    if steps or has_metrics:
+      what = (f"checkpoints of steps {steps}" if steps else "") + (" and " if steps and has_metrics else "") + \
+          ("metrics.jsonl" if has_metrics else "")
+      raise RunDirInUse(
+          f"run directory {self.workdir} already holds a run ({what}) and checkpoint.resume is off (--noresume): "
+          f"starting over in it would mix the two runs (orbax does not overwrite steps <= {max(steps or [0])}, "
+          f"metrics.jsonl would hold both). Use a new --workdir, or delete {self.ckpt.directory}, {metrics} and "
+          f"{os.path.join(self.workdir, 'tb')} to start over in this one")
+
   def run(self, steps: int | None = None, *, progress: bool = True) -> list[dict]:
-    steps = self.total_steps if steps is None else steps
-    start = self.restore() if self.c.checkpoint.resume else 0
-    writer = MetricsWriter(self.workdir, steps - start + (start == 0), progress=progress)  # + warm-start row
+    """Runs (or resumes) the loop up to ``steps`` RL steps, holding the run directory's lock throughout."""
+    steps = self.total_steps if steps is None else int(steps)
+    if steps < 0:
+      raise ValueError(f"steps={steps} (--steps / train.steps) must be >= 0")
+    with WorkdirLock(self.workdir):
+      return self._run(steps, progress)
+
+  def _run(self, steps: int, progress: bool) -> list[dict]:
+    if self.c.checkpoint.resume:
+      start = self.restore()
+    else:
+      self._refuse_used_workdir()
+      start = 0
+    # keep_through: rows of steps after the restored checkpoint were written by the interrupted run (rows <= start
+    # are kept); a run from step 0 rewrites every row.
+    writer = MetricsWriter(self.workdir, max(steps - start, 0) + (start == 0), progress=progress,
+                           keep_through=start if start else -1)  # + warm-start row
     history = []
     try:
       if start == 0:
         ws = self.warmstart()
         row = writer.write(0, {**ws, **self.validate(), "ckpt_s": 0.0})
         history.append(row)
+      if self.gc.kl_beta and self.ref_params is None:
+        self.take_reference()  # the policy RL starts from (after the warm start), checkpointed with every save
       for step in range(start, steps):
         m = self.step(step)
         if (step + 1) % self.c.train.val_every == 0 or step + 1 == steps:
@@ -581,12 +690,15 @@ class RLTrainer:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Tasks: what the loop needs from a data source
+# Tasks: the data sources the loop can run on (the interface and its rules: fp8jax.rl.source.PromptSource)
 # ------------------------------------------------------------------------------------------------------------------
 
 
 class _ArithmeticSource:
-  """Adapter: the embedded arithmetic task (tokenized prompts, exact-match reward)."""
+  """Adapter: the embedded arithmetic task (tokenized prompts, exact-match reward) as a ``source.PromptSource``.
+
+  Batch ``step`` is ``ArithmeticTask.sample(n, step=step)``: a stream keyed by (seed, step), pure in ``step``.
+  """
 
   def __init__(self, config):
     from fp8jax.rl import tasks  # noqa: PLC0415
@@ -596,6 +708,7 @@ class _ArithmeticSource:
     self.tok = self.task.tokenizer
     self.pad_id = self.tok.pad_id
     self.eos_id = self.tok.eos_id
+    self.eos_ids = (self.tok.eos_id,)
 
   def _encode(self, prompts):
     return [self.tok.encode(p, add_bos=True) for p in prompts]
@@ -627,14 +740,16 @@ class _ArithmeticSource:
     self.task.load_state(meta["task"])
 
 
-def _make_task(config, cfg: ModelConfig):
+def _make_task(config, cfg: ModelConfig) -> PromptSource:
   if config.task == "arithmetic":
     src = _ArithmeticSource(config)
     if src.tok.vocab_size > cfg.vocab_size:
       raise ValueError(f"model.vocab_size={cfg.vocab_size} < the arithmetic tokenizer's {src.tok.vocab_size}")
-    return src
-  if config.task == "math":
+  elif config.task == "math":
     from fp8jax.rl.math_source import MathSource  # noqa: PLC0415
 
-    return MathSource(config)
-  raise ValueError(f"task={config.task!r} is not 'arithmetic' or 'math'")
+    src = MathSource(config)
+  else:
+    raise ValueError(f"task={config.task!r} is not 'arithmetic' or 'math'")
+  assert isinstance(src, PromptSource), type(src)
+  return src
