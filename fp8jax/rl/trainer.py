@@ -354,7 +354,8 @@ class RLTrainer:
       from fp8jax import hf  # noqa: PLC0415
 
       shapes = self._param_shapes()
-      params = hf.load_params(self.c.checkpoint.hf_dir, self.cfg, shardings=sharding.tree_shardings(shapes, self.mesh))
+      params = hf.load_params(self.c.checkpoint.hf_dir, self.cfg, shardings=sharding.tree_shardings(shapes, self.mesh),
+                              pow2_scales=self.recipe.pow2_scales)  # block-FP8 checkpoints: the same codes again
       self.warm_done = True
     else:
       params = llama.init_params(self.cfg, seed=int(self.c.seed))
