@@ -552,8 +552,9 @@ class RLTrainer:
                           f"{finite} (optim.lr={lr:g}); nothing of this step was saved: "
                           f"{self._last_checkpoint_text()}")
     # A policy whose hidden state or logits no longer depend on the weights (e.g. overflowed weights: uniform
-    # logits) has an exactly zero gradient although its advantages are not zero; a healthy one cannot, because the
-    # policy-gradient term of every unclipped token with a nonzero advantage contributes.
+    # logits) has an exactly zero gradient although its advantages are not zero; a healthy one does not, because the
+    # policy-gradient term of every unclipped token with a nonzero advantage contributes. (A later minibatch whose
+    # every token is clipped would also give 0; with one engine the first minibatch's ratios are exactly 1.)
     n_adv = int(np.sum(np.any((np.asarray(adv_B)[:, None] != 0) & (np.asarray(mask_BxT) > 0), axis=-1)))
     if gnorm == 0.0 and n_adv:
       pmax = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(self.state.params))
