@@ -5,7 +5,9 @@ Import (a local HF directory; nothing is downloaded):
   ``load_params(dir, cfg, dtype=, shardings=)``  safetensors (single file or sharded through the index), read one
                                          tensor at a time and placed directly with its target sharding, so an 8B
                                          model never has two full copies in host memory. Block-FP8 checkpoints
-                                         (``weight_scale_inv`` next to an E4M3 ``weight``) are dequantized on load.
+                                         (``weight_scale_inv`` next to an E4M3 ``weight``) load as master weights
+                                         that fp8jax's quantizer maps back to exactly the stored codes and scales
+                                         (``block_fp8_master``), so export -> import -> export is exact.
   ``load_tokenizer(dir) -> Tokenizer``   tokenizer.json + tokenizer_config.json through ``tokenizers`` and jinja2,
                                          rendering chat templates the way transformers does.
 Export:
@@ -13,9 +15,12 @@ Export:
   ``export_fp8(params, cfg, recipe, out_dir, tokenizer_dir=)``  block-FP8 in the DeepSeek-V3 / vLLM convention:
       E4M3 ``weight`` (out, in) + FP32 ``weight_scale_inv`` (ceil(out/128), ceil(in/128)), dequant = q * s, made by
       ``quant.quantize_params`` — the very call the sampler runs on, so what is served is what was sampled.
+      Layers with a dimension that is not a multiple of 128 are written in BF16 unless ``ragged_fp8=True``:
+      transformers 5.17 misreads their ceil-sized scale grid (refuses it, or reads 144x96 as 72x96 blocks).
 Pickle (``pytorch_model*.bin``) checkpoints are refused: loading them runs arbitrary code.
 
-Every bad input raises before any weight is read, with one message naming the file and the key.
+Every bad input raises with one message naming the file and the key: names, shapes and dtypes (floating point
+only) before any weight is read; a truncated file when its header is read; NaN/inf values when the tensor is.
 """
 
 from __future__ import annotations
@@ -213,8 +218,6 @@ def _weight_files(hf_dir: str) -> tuple[str, dict[str, str] | None]:
 
 def _scan_tensors(hf_dir: str) -> tuple[str, dict[str, tuple[str, tuple[int, ...], str]]]:
   """Reads only the safetensors headers: HF name -> (file path, shape, safetensors dtype)."""
-  from safetensors import safe_open  # noqa: PLC0415
-
   listing, weight_map = _weight_files(hf_dir)
   files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
   found = {}
@@ -223,7 +226,7 @@ def _scan_tensors(hf_dir: str) -> tuple[str, dict[str, tuple[str, tuple[int, ...
     if not os.path.isfile(path):
       key = next(k for k, v in weight_map.items() if v == fname)
       raise FileNotFoundError(f"{path}: file not found (listed in {listing} for key '{key}')")
-    with safe_open(path, framework="np") as f:
+    with _open_safetensors(path) as f:
       for key in f.keys():
         sl = f.get_slice(key)
         found[key] = (path, tuple(sl.get_shape()), sl.get_dtype())
@@ -234,8 +237,22 @@ def _scan_tensors(hf_dir: str) -> tuple[str, dict[str, tuple[str, tuple[int, ...
   return listing, found
 
 
+def _open_safetensors(path: str):
+  """``safe_open`` whose errors (truncated file, bad header) name the file."""
+  from safetensors import SafetensorError, safe_open  # noqa: PLC0415
+
+  try:
+    return safe_open(path, framework="np")
+  except (SafetensorError, OSError) as e:
+    raise HFCheckpointError(f"{path}: not a readable safetensors file ({e}); a truncated or interrupted download? "
+                            f"Download it again") from None
+
+
 # safetensors dtypes numpy cannot name (safetensors' numpy backend fails on them): read through ml_dtypes.
 _RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+# What a weight may be stored as: floating point, or E4M3 codes with a weight_scale_inv (block FP8).
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+_SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
 def _get_tensor(f, path: str, key: str, st_dtype: str) -> np.ndarray:
@@ -246,14 +263,75 @@ def _get_tensor(f, path: str, key: str, st_dtype: str) -> np.ndarray:
     n = int.from_bytes(fh.read(8), "little")
     meta = json.loads(fh.read(n))[key]
   start, end = meta["data_offsets"]
+  if os.path.getsize(path) < 8 + n + end:
+    raise HFCheckpointError(f"{path}: tensor '{key}' ends at byte {8 + n + end} but the file has "
+                            f"{os.path.getsize(path)} (truncated); download it again")
   mm = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n + start, shape=(end - start,))
   return np.array(mm).view(_RAW_DTYPES[st_dtype]).reshape(meta["shape"])
+
+
+def _check_finite(arr: np.ndarray, path: str, key: str):
+  bad = arr.size - int(np.count_nonzero(np.isfinite(arr)))
+  if bad:
+    first = np.unravel_index(int(np.argmin(np.isfinite(arr).reshape(-1))), arr.shape)
+    raise HFCheckpointError(f"{path}: tensor '{key}' has {bad} non-finite values (NaN/inf) of {arr.size}, the first "
+                            f"at index {tuple(int(i) for i in first)}: the checkpoint is broken")
 
 
 def _block_dequant_np(q_NxK: np.ndarray, s_NbxKb: np.ndarray) -> np.ndarray:
   n, k = q_NxK.shape
   s = np.repeat(np.repeat(s_NbxKb.astype(np.float32), quant.BLOCK, 0), quant.BLOCK, 1)[:n, :k]
   return q_NxK.astype(np.float32) * s
+
+
+def _scale_np(amax: np.ndarray, pow2: bool) -> np.ndarray:
+  """``quant._scale_from_amax`` in NumPy FP32 (the same IEEE operations, so the same bits)."""
+  s = np.maximum(amax.astype(np.float32), np.float32(quant.AMAX_FLOOR)) * np.float32(quant.INV_E4M3_MAX)
+  if pow2:
+    bits = s.view(np.uint32)
+    s = ((bits + np.uint32(0x7FFFFF)) & np.uint32(0xFF800000)).view(np.float32)
+  return s
+
+
+def block_fp8_master(q_NxK: np.ndarray, s_NbxKb: np.ndarray, *, pow2: bool = False, max_ulps: int = 8
+                     ) -> tuple[np.ndarray, int]:
+  """FP32 master weights that ``quant.quantize_weight(w, pow2)`` maps back to exactly ``(q, s)``, where possible.
+
+  ``q * s`` requantizes to the same codes, but its block amax ``max|q| * s`` (one FP32 rounding) times fl(1/448)
+  can land one ulp away from ``s`` (``quantize_weight(dequantize(quantize_weight(w)))`` is not ``quantize_weight
+  (w)``: measured, 14-47 scales per tiny model). So in each such block the elements of largest |q| are moved by at
+  most ``max_ulps`` FP32 ulps to the nearest value whose scale is ``s`` and whose code is unchanged (the block
+  ``s`` was computed from had one). Returns ``(w, blocks that could not be matched)``: nonzero only for scales
+  fp8jax's quantizer cannot produce (another tool's convention, e.g. amax / 448 by true division), which then
+  requantize within an ulp. The caller checks the result against the real quantizer.
+  """
+  n, k = q_NxK.shape
+  nb, kb = s_NbxKb.shape
+  s = s_NbxKb.astype(np.float32)
+  wp = np.zeros((nb * quant.BLOCK, kb * quant.BLOCK), np.float32)
+  wp[:n, :k] = _block_dequant_np(q_NxK, s)
+  w4 = wp.reshape(nb, quant.BLOCK, kb, quant.BLOCK)  # a view: edits reach wp
+  amax = np.abs(w4).max(axis=(1, 3))
+  todo = (_scale_np(amax, pow2) != s) & np.isfinite(amax) & (amax > 0)
+  target = amax.copy()
+  inv = np.float32(1.0) / s
+
+  def e4m3_bits(a):
+    return np.clip(a * inv, -quant.E4M3_MAX, quant.E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+  code = e4m3_bits(amax)
+  up, down = amax.copy(), amax.copy()
+  for _ in range(max_ulps):  # nearest first: +d, then -d ulps
+    up, down = np.nextafter(up, np.float32(np.inf)), np.nextafter(down, np.float32(0))
+    for a in (up, down):
+      ok = todo & (_scale_np(a, pow2) == s) & (e4m3_bits(a) == code)
+      target = np.where(ok, a, target)
+      todo &= ~ok
+  move = target != amax
+  if move.any():
+    top = (np.abs(w4) == amax[:, None, :, None]) & move[:, None, :, None]
+    w4[...] = np.where(top, np.copysign(np.broadcast_to(target[:, None, :, None], w4.shape), w4), w4)
+  return wp[:n, :k].copy(), int(todo.sum())
 
 
 def _sharding_for(shardings, path: str):
@@ -268,12 +346,15 @@ def _sharding_for(shardings, path: str):
 
 
 def load_params(hf_dir: str, cfg: ModelConfig, *, dtype=jnp.float32,
-                shardings: Any | Callable[[str], Any] | None = None) -> dict:
+                shardings: Any | Callable[[str], Any] | None = None, pow2_scales: bool = False) -> dict:
   """HF safetensors -> fp8jax params (every leaf ``dtype``).
 
   ``shardings``: None (default device), a pytree with the params' structure, or a callable
   ``path -> sharding`` ("layers/3/wq"); each tensor goes straight from its file to ``jax.device_put`` with it.
-  Checks every name and shape in the safetensors headers first; then reads one tensor at a time.
+  Checks every name, shape and dtype in the safetensors headers first; then reads one tensor at a time, refusing
+  NaN/inf values. Block-FP8 tensors become ``block_fp8_master`` weights: with ``dtype`` float32 they requantize
+  (``quant.quantize_weight(w, pow2_scales)``, the recipe's setting) to exactly the stored codes and scales, which
+  is checked; blocks that cannot be matched (another tool's scale convention) are reported in a warning.
   """
   listing, found = _scan_tensors(hf_dir)
   wanted = hf_param_names(cfg)
@@ -300,8 +381,15 @@ def load_params(hf_dir: str, cfg: ModelConfig, *, dtype=jnp.float32,
       want_s = tuple(-(-d // quant.BLOCK) for d in shape)
       if found[sk][1] != want_s:
         raise HFCheckpointError(f"{found[sk][0]}: tensor '{sk}' has shape {found[sk][1]}, block-FP8 needs {want_s}")
-
-  from safetensors import safe_open  # noqa: PLC0415
+      if found[sk][2] not in _SCALE_DTYPES:
+        raise HFCheckpointError(f"{found[sk][0]}: tensor '{sk}' has dtype {found[sk][2]}; scales must be one of "
+                                f"{_SCALE_DTYPES}")
+    st_dtype = found[hf][2]
+    if not (st_dtype in _FLOAT_DTYPES or (st_dtype == "F8_E4M3" and sk in found)):
+      what = f"dtype {st_dtype}" + (f" without a '{sk}'" if st_dtype.startswith("F8") else "")
+      raise HFCheckpointError(
+          f"{file}: tensor '{hf}' has {what}; fp8jax loads floating-point weights ({', '.join(_FLOAT_DTYPES)}) and "
+          f"block-FP8 ones (F8_E4M3 + weight_scale_inv), not integer or other quantized formats (fp8jax param {path})")
 
   np_dtype = jnp.dtype(dtype)
   by_file: dict[str, list[str]] = {}
@@ -309,13 +397,16 @@ def load_params(hf_dir: str, cfg: ModelConfig, *, dtype=jnp.float32,
     by_file.setdefault(found[hf][0], []).append(hf)
   leaves: dict[str, jax.Array] = {}
   for file, keys in by_file.items():
-    with safe_open(file, framework="np") as f:
+    with _open_safetensors(file) as f:
       for hf in keys:
         arr = _get_tensor(f, file, hf, found[hf][2])
         sk = hf + "_scale_inv"
         if sk in scales:
-          with safe_open(found[sk][0], framework="np") as g:
-            arr = _block_dequant_np(arr, _get_tensor(g, found[sk][0], sk, found[sk][2]))
+          with _open_safetensors(found[sk][0]) as g:
+            s = _get_tensor(g, found[sk][0], sk, found[sk][2])
+          _check_finite(s, found[sk][0], sk)
+          arr = _load_block_fp8(arr, s, file, hf, pow2_scales, exact=np_dtype == jnp.float32)
+        _check_finite(arr, file, hf)
         arr = arr.astype(np_dtype, copy=False)
         sharding = _sharding_for(shardings, hf_to_path[hf])
         leaves[hf_to_path[hf]] = jax.device_put(arr, sharding) if sharding is not None else jnp.asarray(arr)
@@ -324,6 +415,24 @@ def load_params(hf_dir: str, cfg: ModelConfig, *, dtype=jnp.float32,
   params["layers"] = [{name: leaves[f"layers/{i}/{name}"] for name in layer}
                       for i, layer in enumerate(llama.param_shapes(cfg)["layers"])]
   return params
+
+
+def _load_block_fp8(q: np.ndarray, s: np.ndarray, file: str, key: str, pow2: bool, exact: bool) -> np.ndarray:
+  """Master weights of one block-FP8 tensor; checks that the quantizer reproduces (q, s) (see block_fp8_master)."""
+  _check_finite(q.astype(np.float32), file, key)
+  w, unmatched = block_fp8_master(q, s, pow2=pow2)
+  if exact:
+    got = quant.quantize_weight(jnp.asarray(w), pow2)
+    same_s = np.asarray(got.scale) == s.astype(np.float32)
+    same_q = np.asarray(got.q).view(np.uint8) == q.view(np.uint8)
+    if not (same_s.all() and same_q.all()):
+      log.warning("%s: tensor '%s': %d of %d scales and %d of %d codes are not reproduced exactly by fp8jax's "
+                  "quantizer (pow2_scales=%s; a scale convention of another tool?): requantizing moves them by "
+                  "about an ulp", file, key, int((~same_s).sum()), same_s.size, int((~same_q).sum()), same_q.size,
+                  pow2)
+  elif unmatched:
+    log.warning("%s: tensor '%s': %d blocks cannot be matched exactly", file, key, unmatched)
+  return w
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -546,12 +655,17 @@ def export_bf16(params: dict, cfg: ModelConfig, out_dir: str, tokenizer_dir: str
 
 
 def export_fp8(params: dict, cfg: ModelConfig, recipe: quant.Recipe, out_dir: str,
-               tokenizer_dir: str | None = None, *, max_shard_bytes: int = 5 * 2**30) -> dict:
+               tokenizer_dir: str | None = None, *, max_shard_bytes: int = 5 * 2**30,
+               ragged_fp8: bool = False) -> dict:
   """Writes a block-FP8 HF directory (DeepSeek-V3 / vLLM convention); returns its ``quantization_config``.
 
   The FP8 tensors are ``quant.quantize_params(params, recipe)`` — the sampler's own weights, bit for bit.
   Linear layers the recipe keeps (and the output head unless ``recipe.quantize_lm_head``) are written in BF16
   and listed in ``modules_to_not_convert``; embeddings and norms are always BF16.
+  A weight with a dimension that is not a multiple of 128 has a ragged last scale tile; the convention's ceil-sized
+  scale grid is what fp8jax writes and reads, but transformers 5.17 misreads it (refuses to load, or silently
+  reads a 144x96 weight as 72x96 blocks: logits off by 0.34 on a tiny model). Such layers are therefore written in
+  BF16 (their master weights) and listed in ``modules_to_not_convert``, with a warning, unless ``ragged_fp8``.
   """
   if recipe.mode != "fp8":
     raise HFCheckpointError(f"export_fp8 needs a recipe with mode='fp8', got mode={recipe.mode!r}")
@@ -560,8 +674,12 @@ def export_fp8(params: dict, cfg: ModelConfig, recipe: quant.Recipe, out_dir: st
   ids = _copy_tokenizer_and_ids(tokenizer_dir, out_dir)
   qparams = quant.quantize_params(params, recipe)
   bf16, e4m3, f32 = (np.dtype(t) for t in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.float32))
-  tensors, not_converted = [], []
+  tensors, not_converted, ragged = [], [], []
+  masters = {path: w for path, _, w in _param_items(params, cfg)}
   for path, mod, w in _param_items(qparams, cfg):
+    if isinstance(w, quant.QWeight) and not ragged_fp8 and any(d % quant.BLOCK for d in w.q.shape):
+      ragged.append(f"{mod} {tuple(w.q.shape)}")
+      w = masters[path]
     if isinstance(w, quant.QWeight):
       tensors.append(_Out(mod + ".weight", tuple(w.q.shape), e4m3, _host(w.q, jnp.float8_e4m3fn)))
       tensors.append(_Out(mod + ".weight_scale_inv", tuple(w.scale.shape), f32, _host(w.scale, jnp.float32)))
@@ -570,6 +688,10 @@ def export_fp8(params: dict, cfg: ModelConfig, recipe: quant.Recipe, out_dir: st
       if is_linear:
         not_converted.append(mod)
       tensors.append(_Out(mod + ".weight", tuple(w.shape), bf16, _host(w, jnp.bfloat16)))
+  if ragged:
+    log.warning("export_fp8: %d weights have a dimension that is not a multiple of %d and are written in BF16 "
+                "(transformers misreads ragged scale grids; ragged_fp8=True keeps them FP8): %s", len(ragged),
+                quant.BLOCK, ", ".join(ragged))
   if cfg.tie_embeddings:
     not_converted.append("lm_head")  # tied to the BF16 embedding: transformers must not make it an FP8Linear
   _warn_mixed_fused(not_converted, cfg)

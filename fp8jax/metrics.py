@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import numpy as np
 
@@ -19,19 +20,33 @@ def _scalar(v):
 
 
 class MetricsWriter:
-  """Writes {step, metrics} rows. Values are fetched to the host here, i.e. only when logging."""
+  """Writes {step, metrics} rows. Values are fetched to the host here, i.e. only when logging.
 
-  def __init__(self, workdir: str, total_steps: int, *, enable_tb: bool = True, progress: bool = True):
+  ``keep_through``: a resumed run passes the step it resumed from. Rows of metrics.jsonl with a larger step were
+  written by the interrupted run after that checkpoint and are about to be written again, so they are dropped
+  (the file is rewritten atomically, with a warning); ``-1`` drops every row (a run starting from step 0); None
+  appends. TensorBoard event files cannot be edited: the new event file starts with a purge event at
+  ``keep_through + 1``, which makes TensorBoard hide the older files' events from that step on (tensorboardX's
+  ``purge_step``), so no step is shown twice.
+  """
+
+  def __init__(self, workdir: str, total_steps: int, *, enable_tb: bool = True, progress: bool = True,
+               keep_through: int | None = None):
     os.makedirs(workdir, exist_ok=True)
     self.workdir = workdir
     self.path = os.path.join(workdir, "metrics.jsonl")
+    if keep_through is not None:
+      truncate_jsonl(self.path, keep_through)
     self._f = open(self.path, "a")
     self._tb = None
     if enable_tb:
       try:
         from tensorboardX import SummaryWriter  # noqa: PLC0415
 
-        self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+        tb_dir = os.path.join(workdir, "tb")
+        purge = None if keep_through is None or not os.path.isdir(tb_dir) else keep_through + 1
+        # A unique suffix: two writers started in the same second (same default file name) never share a file.
+        self._tb = SummaryWriter(tb_dir, purge_step=purge, filename_suffix=f".{os.getpid()}.{time.time_ns()}")
       except ImportError:
         log.warning("tensorboardX is not installed: no TensorBoard events (metrics.jsonl is still written)")
     self._bar = None
@@ -67,8 +82,37 @@ class MetricsWriter:
 
 
 def read_jsonl(path: str) -> list[dict]:
+  """The rows of a metrics.jsonl; a torn last line (the writer was killed mid-line) is skipped with a warning."""
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = [ln for ln in f if ln.strip()]
+  rows = []
+  for i, line in enumerate(lines):
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if i != len(lines) - 1:
+        raise ValueError(f"{path}:{i + 1}: not a JSON row ({e})") from None
+      log.warning("%s: the last line is incomplete (a killed writer?); skipped", path)
+  return rows
+
+
+def truncate_jsonl(path: str, keep_through: int) -> int:
+  """Keeps the rows with step <= ``keep_through`` (atomic rewrite); returns how many were dropped."""
+  if not os.path.isfile(path):
+    return 0
+  rows = read_jsonl(path)
+  kept = [r for r in rows if r.get("step", -1) <= keep_through]
+  dropped = len(rows) - len(kept)
+  with open(path) as f:
+    torn = sum(1 for ln in f if ln.strip()) - len(rows)
+  if dropped or torn:
+    log.warning("%s: dropped %d rows with step > %d (written after the checkpoint this run resumes from)%s", path,
+                dropped, keep_through, " and a torn last line" if torn else "")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, path)
+  return dropped
 
 
 def plot(workdir: str, keys=("reward_mean", "val_accuracy", "token_mult_prob_error")) -> str | None:

@@ -250,10 +250,25 @@ _linear_fp8_frozen.defvjp(_frozen_fwd, _frozen_bwd)
 
 
 def linear(x: jax.Array, w, cfg: LinearConfig = LinearConfig()) -> jax.Array:
-  """``x_...xK . w^T`` for ``w`` stored (N, K); FP8 or BF16 by the type of ``w`` (module docstring)."""
+  """``x_...xK . w^T`` for ``w`` stored (N, K); FP8 or BF16 by the type of ``w`` (module docstring).
+
+  ``x`` with no rows (M = 0) gives the empty (..., N) result. Complex operands are refused (the casts to BF16/FP8
+  would drop the imaginary part silently).
+  """
+  if x.ndim < 1:
+    raise ValueError(f"linear: x must have a contraction axis (shape (..., K)), got shape {tuple(x.shape)}")
+  if len(w.shape) != 2:
+    raise ValueError(f"linear: weight must be 2-D, stored (N, K) = (out, in), got shape {tuple(w.shape)}")
+  w_dtypes = [a.dtype for a in jax.tree.leaves(w)]
+  if jnp.iscomplexobj(x) or any(jnp.issubdtype(d, jnp.complexfloating) for d in w_dtypes):
+    raise TypeError(f"linear: complex operands are not supported (x {x.dtype}, weight {w_dtypes}); the FP8/BF16 "
+                    f"casts would silently drop the imaginary part")
   *lead, k = x.shape
+  n = w.shape[0]
   if w.shape[-1] != k:
     raise ValueError(f"linear: x has K={k} (shape {tuple(x.shape)}) but weight is {tuple(w.shape)} (stored (N, K))")
+  if math.prod(lead) == 0:  # no rows: nothing to quantize (a 1x128 group of no tokens has no scale)
+    return jnp.zeros((*lead, n), cfg.out_dtype)
   x_MxK = x.reshape(-1, k)
   if isinstance(w, quant.FP8Weight):
     y = _linear_fp8_master(x_MxK, w.w, cfg)

@@ -17,6 +17,7 @@ Hopper GPU, against torch._scaled_mm with 1x128 x 128x128 blockwise scales. Runs
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -133,8 +134,8 @@ def torch_block_fp8_linear(x_MxK, w_NxK):
   (m, k), n = x_MxK.shape, w_NxK.shape[0]
   ws_NxKb = ws_NbxKb.repeat_interleave(BLOCK, dim=0)[:n]
   acc = torch.zeros(m, n, dtype=torch.float32)
-  for kb in range(k // BLOCK):
-    sl = slice(kb * BLOCK, (kb + 1) * BLOCK)
+  for kb in range(-(-k // BLOCK)):  # a ragged last block counts as zero-padded (its scale covers what is there)
+    sl = slice(kb * BLOCK, min((kb + 1) * BLOCK, k))
     acc += (xq[:, sl].float() @ wq[:, sl].float().T) * (xs_MxKb[:, kb, None] * ws_NxKb[None, :, kb])
   return acc, (xq, xs_MxKb, wq, ws_NbxKb)
 
@@ -149,7 +150,8 @@ def compare_block_linear(m: int = 64, k: int = 512, n: int = 384, seed: int = 0,
   n, k = w.shape
   x = x[:, :k] if x.shape[1] >= k else np.pad(x, ((0, 0), (0, k - x.shape[1])))
   qw = quant.quantize_weight(jnp.asarray(w))
-  xq, xs = quant.quantize_act(jnp.asarray(x))
+  xq, xs = quant.quantize_act(quant.pad_k(jnp.asarray(x)))  # K not a multiple of 128: zero-padded, as ops.linear
+  xq = xq[:, :k]
   y_jax = np.asarray(ops.linear(jnp.asarray(x), qw, ops.LinearConfig(backend="xla", out_dtype="float32")))
   y_t, (txq, txs, twq, tws) = torch_block_fp8_linear(torch.from_numpy(x.copy()), torch.from_numpy(w.copy()))
   y_t = y_t.numpy()
@@ -208,32 +210,33 @@ def make_tokens(hf_dir: str, prompts: list[str] | None, batch: int, seq: int, vo
   return [np.random.default_rng(seed).integers(0, vocab, (batch, seq)).astype(np.int32)]
 
 
-def compare(hf_dir: str, prompts=None, batch: int = 2, seq: int = 64, seed: int = 0, torch_bf16: bool = True):
-  """Runs every row of the module docstring; returns {row: {"logits": stats, "hidden_rel": [...]}, "block_linear": ...}."""
+def compare(hf_dir: str, prompts=None, batch: int = 2, seq: int = 64, seed: int = 0, torch_bf16: bool = True,
+            result: dict | None = None):
+  """Runs every row of the module docstring; returns {row: {"logits": stats, "hidden_rel": [...]}, "block_linear": ...}.
+
+  ``result``: a dict filled in as the rows complete, so a caller still has them when a later row raises.
+  """
+  result = {} if result is None else result
   cfg = hf.load_config(hf_dir)
   params = hf.load_params(hf_dir, cfg)
-  rows = {"fp8jax-bf16": quant.Recipe(mode="bf16", gemm_backend="xla"),
-          "fp8jax-fp8": quant.Recipe(mode="fp8", gemm_backend="xla")}
-  acc: dict[str, dict[str, list]] = {}
-  for toks in make_tokens(hf_dir, prompts, batch, seq, cfg.vocab_size, seed):
-    ref_logits, ref_h = torch_outputs(hf_dir, toks, "float32")
-    outs = {}
-    if torch_bf16:
-      outs["torch-bf16"] = torch_outputs(hf_dir, toks, "bfloat16")
-    for name, recipe in rows.items():
-      outs[name] = fp8jax_outputs(params, cfg, toks, recipe)
-    for name, (lg, hs) in outs.items():
-      a = acc.setdefault(name, {"ref": [], "got": [], "h": []})
-      a["ref"].append(ref_logits.reshape(-1, ref_logits.shape[-1]))
-      a["got"].append(lg.reshape(-1, lg.shape[-1]))
-      a["h"].append(hidden_rel_errors(ref_h, hs))
-  result = {}
-  for name, a in acc.items():
-    result[name] = {"logits": logit_stats(np.concatenate(a["ref"]), np.concatenate(a["got"])),
-                    "hidden_rel": np.max(np.asarray(a["h"]), axis=0).tolist()}
+  recipes = {"fp8jax-bf16": quant.Recipe(mode="bf16", gemm_backend="xla"),
+             "fp8jax-fp8": quant.Recipe(mode="fp8", gemm_backend="xla")}
+  runs = {name: functools.partial(fp8jax_outputs, params, cfg, recipe=r) for name, r in recipes.items()}
+  if torch_bf16:
+    runs = {"torch-bf16": lambda toks: torch_outputs(hf_dir, toks, "bfloat16"), **runs}
+  token_sets = make_tokens(hf_dir, prompts, batch, seq, cfg.vocab_size, seed)
+  refs = [torch_outputs(hf_dir, toks, "float32") for toks in token_sets]
+  for name, run in runs.items():  # one row at a time, each complete in ``result`` before the next starts
+    ref_l, got_l, h = [], [], []
+    for toks, (ref_logits, ref_h) in zip(token_sets, refs):
+      lg, hs = run(toks)
+      ref_l.append(ref_logits.reshape(-1, ref_logits.shape[-1]))
+      got_l.append(lg.reshape(-1, lg.shape[-1]))
+      h.append(hidden_rel_errors(ref_h, hs))
+    result[name] = {"logits": logit_stats(np.concatenate(ref_l), np.concatenate(got_l)),
+                    "hidden_rel": np.max(np.asarray(h), axis=0).tolist()}
   w_up = np.asarray(params["layers"][0]["w_up"])
   result["block_linear"] = compare_block_linear(w_NxK=w_up, seed=seed)
-
   return result
 
 
@@ -247,6 +250,8 @@ def print_report(r: dict):
     hid = " ".join(f"{e:.1e}" for e in v["hidden_rel"])
     print(f"{name:<12} {s['max_abs']:9.2e} {s['mean_abs']:9.2e} {s['kl_mean']:9.2e} {s['kl_max']:9.2e} "
           f"{s['top1']:6.3f}  {hid}")
+  if "block_linear" not in r:
+    return
   print("block-FP8 linear, fp8jax vs PyTorch block math:")
   for k, v in r["block_linear"].items():
     print(f"  {k}: {v}")
@@ -270,7 +275,15 @@ def main(argv=None):
   if not args.hf_dir:
     ap.error("--hf_dir (or --make_tiny) is required")
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; fp8 gemm backend: xla reference")
-  print_report(compare(args.hf_dir, args.prompts, args.batch, args.seq, args.seed, not args.no_torch_bf16))
+  result: dict = {}
+  try:
+    compare(args.hf_dir, args.prompts, args.batch, args.seq, args.seed, not args.no_torch_bf16, result=result)
+  except BaseException:
+    if result:
+      print("(stopped by the error below; the rows computed so far:)")
+      print_report(result)
+    raise
+  print_report(result)
 
 
 if __name__ == "__main__":

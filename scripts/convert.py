@@ -38,10 +38,14 @@ def _checkpointer():
   return ocp.StandardCheckpointer()
 
 
-def hf_to_ckpt(hf_dir: str, ckpt_dir: str) -> ModelConfig:
-  """HF directory -> ``ckpt_dir/params`` (orbax, FP32) + ``ckpt_dir/hf`` (config and tokenizer files)."""
+def hf_to_ckpt(hf_dir: str, ckpt_dir: str, pow2_scales: bool = False) -> ModelConfig:
+  """HF directory -> ``ckpt_dir/params`` (orbax, FP32) + ``ckpt_dir/hf`` (config and tokenizer files).
+
+  A block-FP8 source loads as master weights that requantize to its exact codes and scales (with ``pow2_scales``
+  for a power-of-two recipe; see fp8jax.hf.block_fp8_master).
+  """
   cfg = hf.load_config(hf_dir)
-  params = hf.load_params(hf_dir, cfg, dtype=jnp.float32)
+  params = hf.load_params(hf_dir, cfg, dtype=jnp.float32, pow2_scales=pow2_scales)
   os.makedirs(ckpt_dir, exist_ok=True)
   ckptr = _checkpointer()
   ckptr.save(os.path.abspath(os.path.join(ckpt_dir, PARAMS_SUBDIR)), params)
@@ -77,7 +81,8 @@ def load_ckpt_params(ckpt_dir: str, cfg: ModelConfig) -> dict:
 
 
 def ckpt_to_hf(ckpt_dir: str, out_dir: str, fmt: str = "bf16", config: str | None = None,
-               tokenizer_dir: str | None = None, recipe: quant.Recipe | None = None) -> None:
+               tokenizer_dir: str | None = None, recipe: quant.Recipe | None = None,
+               ragged_fp8: bool = False) -> None:
   meta = os.path.join(ckpt_dir, HF_SUBDIR)
   cfg, cfg_recipe = load_model_config(config or meta)
   tokenizer_dir = tokenizer_dir or (meta if os.path.isdir(meta) else None)
@@ -85,7 +90,8 @@ def ckpt_to_hf(ckpt_dir: str, out_dir: str, fmt: str = "bf16", config: str | Non
   if fmt == "bf16":
     hf.export_bf16(params, cfg, out_dir, tokenizer_dir)
   elif fmt == "fp8":
-    hf.export_fp8(params, cfg, recipe or cfg_recipe or quant.Recipe(mode="fp8"), out_dir, tokenizer_dir)
+    hf.export_fp8(params, cfg, recipe or cfg_recipe or quant.Recipe(mode="fp8"), out_dir, tokenizer_dir,
+                  ragged_fp8=ragged_fp8)
   else:
     raise ValueError(f"--format must be 'bf16' or 'fp8', got {fmt!r}")
 
@@ -101,17 +107,21 @@ def main(argv=None):
   ap.add_argument("--tokenizer_dir", help="tokenizer files to copy (default: <ckpt>/hf)")
   ap.add_argument("--keep_first_n", type=int, default=None, help="fp8: first layers kept in BF16")
   ap.add_argument("--keep_last_n", type=int, default=None, help="fp8: last layers kept in BF16")
-  ap.add_argument("--pow2_scales", action="store_true", help="fp8: power-of-two scales")
+  ap.add_argument("--pow2_scales", action="store_true",
+                  help="fp8: power-of-two scales (with --from_hf: match a block-FP8 source's pow2 scales exactly)")
+  ap.add_argument("--ragged_fp8", action="store_true",
+                  help="fp8: keep weights with a dim not a multiple of 128 in FP8 (transformers 5.17 misreads them; "
+                       "by default they are written BF16)")
   args = ap.parse_args(argv)
   if args.from_hf and args.to_ckpt:
-    cfg = hf_to_ckpt(args.from_hf, args.to_ckpt)
+    cfg = hf_to_ckpt(args.from_hf, args.to_ckpt, pow2_scales=args.pow2_scales)
     print(f"wrote {args.to_ckpt}/{PARAMS_SUBDIR} ({cfg.n_layers} layers, dim {cfg.dim})")
   elif args.from_ckpt and args.to_hf:
     recipe = None
     if args.keep_first_n is not None or args.keep_last_n is not None or args.pow2_scales:
       recipe = quant.Recipe(mode="fp8", keep_first_n=args.keep_first_n or 0, keep_last_n=args.keep_last_n or 0,
                             pow2_scales=args.pow2_scales)
-    ckpt_to_hf(args.from_ckpt, args.to_hf, args.format, args.config, args.tokenizer_dir, recipe)
+    ckpt_to_hf(args.from_ckpt, args.to_hf, args.format, args.config, args.tokenizer_dir, recipe, args.ragged_fp8)
     print(f"wrote {args.format} HF directory {args.to_hf}")
   else:
     ap.error("give --from_hf DIR --to_ckpt DIR, or --from_ckpt DIR --to_hf DIR")

@@ -1,7 +1,15 @@
 """GRPO post-training in FP8: ``python scripts/train.py --config=configs/tiny_fp8.py [--config.x=y] [--workdir=DIR]``.
 
 Thin entry point: parses flags, builds ``fp8jax.rl.trainer.RLTrainer`` and runs it. A mistyped override fails
-(the config is locked); ``--noresume`` starts over even if the workdir has checkpoints.
+(the config is locked).
+
+One run per run directory: the run locks it (a second train.py on the same --workdir stops at once, naming the
+process that holds it). By default a run resumes from the newest readable checkpoint in its workdir (a corrupt one
+is set aside with a warning); metrics rows written after that checkpoint are dropped and written again.
+``--noresume`` refuses a workdir that already holds a run, because starting over in place would mix the two (orbax
+does not overwrite existing steps): give a new --workdir, or delete the old run's checkpoints/, metrics.jsonl and tb/.
+Errors that stop a run (divergence, a locked or used workdir, a checkpoint made with another model shape) print one
+message and exit with status 1.
 """
 
 import os
@@ -16,7 +24,8 @@ from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: config.workdir).")
-_RESUME = flags.DEFINE_bool("resume", True, "Resume from the latest checkpoint in the workdir.")
+_RESUME = flags.DEFINE_bool("resume", True, "Resume from the latest checkpoint in the workdir; --noresume refuses a "
+                            "workdir that already holds a run (use a new --workdir to start over).")
 _STEPS = flags.DEFINE_integer("steps", None, "Override the number of RL steps.")
 
 
@@ -24,15 +33,19 @@ def main(argv):
   del argv
   if _CONFIG.value is None:
     raise app.UsageError("--config is required, e.g. --config=configs/tiny_fp8.py")
+  from fp8jax.checkpoint import CheckpointCorrupt, WorkdirLocked  # noqa: PLC0415
   from fp8jax.metrics import read_jsonl  # noqa: PLC0415
-  from fp8jax.rl.trainer import RLTrainer  # noqa: PLC0415
+  from fp8jax.rl.trainer import CheckpointMismatch, RLTrainer, RunDirInUse, TrainingDiverged  # noqa: PLC0415
 
   config = _CONFIG.value
   with config.unlocked():
     config.checkpoint.resume = bool(_RESUME.value) and config.checkpoint.resume
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  trainer = RLTrainer(config, _WORKDIR.value)
-  history = trainer.run(_STEPS.value)
+  try:
+    trainer = RLTrainer(config, _WORKDIR.value)
+    history = trainer.run(_STEPS.value)
+  except (TrainingDiverged, WorkdirLocked, RunDirInUse, CheckpointMismatch, CheckpointCorrupt) as e:
+    sys.exit(f"error: {e}")
   # The summary covers the whole run, also when this call resumed it (metrics.jsonl is appended to).
   path = os.path.join(trainer.workdir, "metrics.jsonl")
   rows = read_jsonl(path) if os.path.exists(path) else history

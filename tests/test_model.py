@@ -156,3 +156,40 @@ def test_config_errors_name_the_key():
   with pytest.raises(ValueError, match="positions_BxT"):
     forward(init_params(CFG), tokens(1, 2), CFG, cache=kvcache.init_cache(3, 1, 4, 2, 64, fp8=False))
   assert ops.LinearConfig().out_dtype == "bfloat16"
+
+
+def _plain_rms_norm(x, w, eps):
+  """The HF LlamaRMSNorm formula as written (the reference for finite, non-extreme rows)."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return w.astype(x.dtype) * y.astype(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_rms_norm_is_the_plain_formula_bitwise_where_it_cannot_overflow(dtype):
+  rng = np.random.default_rng(0)
+  for shape in [(2, 48, 256), (3, 5, 4096), (4, 64)]:
+    for scale in (1e-3, 1.0, 1e6, 1e12):  # 1e12 * e^(3 sigma) stays below 2**48
+      x = jnp.asarray(rng.standard_normal(shape) * scale * np.exp(rng.standard_normal((*shape[:-1], 1))), dtype)
+      w = jnp.asarray(1 + 0.1 * rng.standard_normal(shape[-1]), jnp.float32)
+      got = fp8jax.jit(llama.rms_norm, static_argnums=2)(x, w, 1e-5)
+      ref = fp8jax.jit(_plain_rms_norm, static_argnums=2)(x, w, 1e-5)
+      np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(ref).view(np.uint8))
+
+
+def test_rms_norm_does_not_overflow_where_values_are_finite():
+  """Rows up to FP32's max normalize to the row scaled by a power of two (RMSNorm is scale invariant up to eps);
+  the plain formula's mean(x^2) overflows there and returns zeros."""
+  rng = np.random.default_rng(1)
+  x_small = rng.standard_normal((3, 256)).astype(np.float32)
+  want = np.asarray(_plain_rms_norm(jnp.asarray(x_small), jnp.ones(256), 0.0))
+  for k in (40, 64, 100, 125):  # |x| up to ~4 * 2**125 ~ 1.7e38
+    x = jnp.asarray(x_small * np.float32(2.0**k))
+    if k >= 64:  # x^2 > 2**128: the plain formula's hidden state is exactly 0
+      assert not np.any(np.asarray(_plain_rms_norm(x, jnp.ones(256), 1e-5)))
+    got = np.asarray(llama.rms_norm(x, jnp.ones(256), 1e-5))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  # Non-finite rows stay non-finite (nothing is hidden); the other rows are unaffected.
+  x = jnp.asarray(x_small[:2]).at[0, 3].set(jnp.nan)
+  got = np.asarray(llama.rms_norm(x, jnp.ones(256), 1e-5))
+  assert np.all(np.isnan(got[0])) and np.all(np.isfinite(got[1]))

@@ -4,6 +4,7 @@ import fp8jax
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -152,6 +153,33 @@ def test_shape_errors_name_shapes():
   with pytest.raises(ValueError, match="multiple of 128"):
     fp8_gemm.fp8_gemm_reference(jnp.ones((2, 100), jnp.float8_e4m3fn), jnp.ones((2, 1)),
                                 jnp.ones((128, 100), jnp.float8_e4m3fn), jnp.ones((1, 1)))
+
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_master", "qweight"])
+def test_empty_batch_gives_empty_result_and_zero_gradient(kind):
+  """M = 0 rows (e.g. an empty microbatch): the (0, N) result, not a division by zero in the 1x128 grouping."""
+  w = rand(1, (256, 128), 0.05)
+  wrap = {"bf16": lambda w: w, "fp8_master": quant.FP8Weight, "qweight": quant.quantize_weight}[kind]
+  for x in (jnp.zeros((0, 128)), jnp.zeros((2, 0, 128))):
+    y = ops.linear(x, wrap(w))
+    assert y.shape == (*x.shape[:-1], 256) and y.dtype == jnp.bfloat16
+  if kind == "fp8_master":
+    g = jax.grad(lambda w: jnp.sum(ops.linear(jnp.zeros((0, 128)), quant.FP8Weight(w)).astype(jnp.float32)))(w)
+    assert g.shape == w.shape and not np.any(np.asarray(g))
+
+
+def test_bad_weight_rank_and_complex_inputs_are_refused():
+  x = jnp.ones((2, 128))
+  for w in (jnp.ones(()), jnp.ones((128,)), jnp.ones((2, 128, 128))):
+    with pytest.raises(ValueError, match="weight must be 2-D.*" + re.escape(f"got shape {tuple(w.shape)}")):
+      ops.linear(x, w)
+  with pytest.raises(ValueError, match="contraction axis"):
+    ops.linear(jnp.ones(()), jnp.ones((128, 128)))
+  with pytest.raises(TypeError, match="complex"):
+    ops.linear(x.astype(jnp.complex64), jnp.ones((128, 128)))
+  with pytest.raises(TypeError, match="complex"):
+    ops.linear(x, quant.FP8Weight(jnp.ones((128, 128), jnp.complex64)))
 
 
 PER_DEVICE_SCRIPT = r"""

@@ -1,6 +1,7 @@
 """The GRPO loop end to end on the tiny config: a full step, KL skipping, resume, sharding, NaN stop, learning."""
 
 import fp8jax
+import fp8jax.metrics
 
 import json
 import os
@@ -36,10 +37,29 @@ def small_config(**overrides):
   return c
 
 
-def test_full_rl_step_and_one_engine_mismatch(tmp_path):
+def _parity_score(self, ro, answers):
+  """A reward with variance in every group of an untrained model: 1 where the first completion token id is even.
+
+  The 2-step warm start of small_config scores 0 on the real task, so every advantage, gradient and KL is 0; tests
+  that need the policy to move use this (a pure function of the rollout, so resumed runs see the same rewards).
+  """
+  return (np.asarray(ro.tokens)[:len(answers), 0] % 2 == 0).astype(np.float32)
+
+
+@pytest.fixture
+def parity_reward(monkeypatch):
+  monkeypatch.setattr(trainer_lib._ArithmeticSource, "score", _parity_score)
+
+
+def test_full_rl_step_and_one_engine_mismatch(tmp_path, monkeypatch):
   tr = trainer_lib.RLTrainer(small_config(), str(tmp_path))
   tr.warmstart()
   before = jax.tree.map(np.asarray, tr.state.params)
+  calls, rollout_prompts = [], []
+  real_prompts, real_generate = tr.task.train_prompts, tr.sampler.generate
+  monkeypatch.setattr(tr.task, "train_prompts", lambda n, step: calls.append(step) or real_prompts(n, step))
+  monkeypatch.setattr(tr.sampler, "generate", lambda p, prompts, sp, **kw: rollout_prompts.append(prompts)
+                      or real_generate(p, prompts, sp, **kw))
   m = tr.step(0)
   for key in ("reward_mean", "reward_std", "token_mult_prob_error", "gen_kl_error", "sampling_importance_ratio",
               "loss", "grad_norm", "clip_frac_low", "clip_frac_high", "entropy", "lr", "gen_len_mean",
@@ -51,6 +71,12 @@ def test_full_rl_step_and_one_engine_mismatch(tmp_path):
   changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(tr.state.params))]
   assert any(changed) or float(m["grad_norm"]) == 0.0
   assert tr.kv_scales is not None and np.all(np.asarray(tr.kv_scales[0]) > 0)
+  # FP8 KV calibration drew prompts before the rollout, and the rollout still got batch 0 (the old MathSource
+  # advanced an iterator, so calibration silently consumed a training batch); the next step gets batch 1.
+  tr.step(1)
+  fresh = trainer_lib._ArithmeticSource(small_config())
+  assert calls == [0, 0, 1] and tr.prompt_batch == 2 and tr._meta(2)["prompt_batch"] == 2
+  assert rollout_prompts == [fresh.train_prompts(4, 0)[0], fresh.train_prompts(4, 1)[0]]
 
 
 def test_kl_beta_zero_skips_reference_forward(tmp_path):
@@ -74,18 +100,35 @@ def _run(workdir, steps, trainer_out=None, **over):
   return tr.run(progress=False)
 
 
-def test_resume_gives_the_same_metrics(tmp_path):
+# Every feature that carries state across a resume (CONVENTIONS 15): the KL reference, FP8 KV scales (tiny config
+# default), dynamic sampling's refills (the prompt position).
+STATEFUL = {"grpo.kl_beta": 0.01, "grpo.dynamic_sampling": True}
+DETERMINISTIC = ("reward_mean", "reward_std", "groups_kept", "loss", "grad_norm", "kl", "entropy",
+                 "token_mult_prob_error", "val_accuracy")
+
+
+def test_resume_gives_the_same_metrics(tmp_path, parity_reward):
   trainers = []
-  full = _run(tmp_path / "a", 3, trainers)
+  full = _run(tmp_path / "a", 3, trainers, **STATEFUL)
   # Each train step compiled once for the whole run (2 SFT steps, 3 GRPO steps): the state keeps its shardings.
   assert trainers[0]._sft_step._cache_size() == 1
   assert trainers[0]._grpo_step._cache_size() == 1
-  _run(tmp_path / "b", 2)
-  resumed = _run(tmp_path / "b", 3)  # restores step 2 and runs step 3
-  keys = ("reward_mean", "loss", "grad_norm", "token_mult_prob_error")
+  # Not a vacuous comparison: the policy moved away from the reference, and dynamic sampling refilled.
+  assert full[-1]["kl"] > 0 and full[-1]["grad_norm"] > 0
+  assert trainers[0].prompt_batch > 3, trainers[0].prompt_batch
+  _run(tmp_path / "b", 2, **STATEFUL)
+  # A row the interrupted run wrote after its last checkpoint (killed before the next one): dropped on resume.
+  with open(tmp_path / "b" / "metrics.jsonl", "a") as f:
+    f.write(json.dumps({"step": 3, "loss": -1.0}) + "\n" + '{"step": 4, "lo')  # and a torn line
+  resumed = _run(tmp_path / "b", 3, **STATEFUL)  # restores step 2 and runs step 3
   assert resumed[-1]["step"] == 3
-  for k in keys:
+  for k in DETERMINISTIC:
     assert resumed[-1][k] == full[-1][k], (k, resumed[-1][k], full[-1][k])
+  rows_a = fp8jax.metrics.read_jsonl(str(tmp_path / "a" / "metrics.jsonl"))
+  rows_b = fp8jax.metrics.read_jsonl(str(tmp_path / "b" / "metrics.jsonl"))
+  assert [r["step"] for r in rows_b] == [0, 1, 2, 3]
+  for ra, rb in zip(rows_a, rows_b):  # (the 2-step run also validated at its last step, 2)
+    assert all(ra.get(k) == rb.get(k) for k in DETERMINISTIC if k != "val_accuracy"), (ra, rb)
 
 
 def test_nonfinite_loss_stops_and_keeps_last_checkpoint(tmp_path):
@@ -94,11 +137,44 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(tmp_path):
   tr.save(1)
   bad = jax.tree.map(lambda x: x * jnp.nan if x.ndim == 2 else x, tr.state.params)
   tr.state = trainer_lib.TrainState(bad, tr.state.opt_state, tr.state.step)
-  with pytest.raises(trainer_lib.NonFiniteLoss, match="RL step 1"):
-    tr.step(1)
+  with pytest.raises(trainer_lib.NonFiniteLoss, match="RL step 2 .*latest checkpoint, step 1"):
+    tr.step(1)  # 0-based: metrics row 2
   assert tr.ckpt.latest_step() == 1
   restored, meta = tr.ckpt.restore(1, tr.state)
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(restored.params)) and meta["step"] == 1
+
+
+def test_nonfinite_update_stops_before_it_is_saved(tmp_path, parity_reward):
+  """optim.lr=1e39: the loss of step 1 is finite (computed before the update), the updated weights are not. The
+  step must raise (run() saves only after it returns, so train.steps=1 no longer exits 0 with a NaN checkpoint)."""
+  tr = trainer_lib.RLTrainer(small_config(**{"optim.lr": 1e39}), str(tmp_path))
+  with pytest.raises(trainer_lib.NonFiniteLoss, match=r"RL step 1 \(minibatch 1 of 1\).*weights finite: False"
+                     r".*no checkpoint has been written"):
+    tr.step(0)
+
+
+def test_diverging_lr_stops_and_keeps_finite_checkpoints(tmp_path, parity_reward):
+  """optim.lr=1e6: weights reach ~1e6 after one step; the second step must stop the run (it used to collapse to a
+  zero hidden state, loss 0 and grad_norm 0, and exit 0), and the checkpoint on disk stays finite."""
+  tr = trainer_lib.RLTrainer(small_config(**{"optim.lr": 1e6}), str(tmp_path))
+  tr.step(0)
+  tr.save(1)
+  with pytest.raises(trainer_lib.TrainingDiverged, match="RL step 2 .*latest checkpoint, step 1"):
+    tr.step(1)
+  restored, _ = tr.ckpt.restore(1, tr.state)
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(restored.params))
+
+
+def test_collapsed_policy_stops_the_run(tmp_path, parity_reward, monkeypatch):
+  """A policy whose hidden state is 0 (what FP32 overflow in the norm produced) has uniform logits and an exactly
+  zero gradient although its advantages are not: stopped, not trained on as if the run were fine."""
+  from fp8jax.model import llama  # noqa: PLC0415
+
+  monkeypatch.setattr(llama, "rms_norm", lambda x, w, eps: jnp.zeros_like(x))
+  tr = trainer_lib.RLTrainer(small_config(), str(tmp_path))
+  with pytest.raises(trainer_lib.PolicyCollapsed, match=r"RL step 1 .*gradient is exactly 0 although \d+ sequences"
+                     r".*log\(vocab\) = 4\.852"):
+    tr.step(0)
 
 
 SHARDED_SCRIPT = r"""
@@ -181,6 +257,22 @@ def test_tiny_default_learns(tmp_path):
   assert accs[-1] >= 0.8, accs
   assert 1 - accs[-1] <= (2 / 3) * (1 - accs[0]), accs
   assert np.mean(rewards[-30:]) >= np.mean(rewards[:30]) + 0.1, (rewards[:30], rewards[-30:])
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("train.steps", -1, r"train\.steps=-1 must be >= 0"),
+    ("grpo.num_generations", 1, r"grpo\.num_generations=1 must be >= 2 with grpo\.leave_one_out=True"),
+    ("checkpoint.every", 0, r"checkpoint\.every=0 must be >= 1"),
+    ("train.val_every", 0, r"train\.val_every=0 must be >= 1"),
+    ("rollout.max_new_tokens", 17, r"rollout\.max_new_tokens=17 must be in \[1, rollout\.max_len=16\)"),
+    ("grpo.microbatch", 0, r"grpo\.microbatch=0 must be >= 1"),
+])
+def test_bad_config_is_named_before_work_starts(tmp_path, monkeypatch, key, value, match):
+  """Each of these used to run to exit 0 doing nothing, be silently capped, or crash after the warm start."""
+  monkeypatch.setattr(trainer_lib.RLTrainer, "_init_state", lambda self: pytest.fail("work started"))
+  with pytest.raises(ValueError, match=match):
+    trainer_lib.RLTrainer(small_config(**{key: value}), str(tmp_path))
+  assert not os.listdir(tmp_path)
 
 
 def test_llama8b_recipe_says_what_to_download(tmp_path):

@@ -33,10 +33,26 @@ from fp8jax.model.config import ModelConfig
 # ------------------------------------------------------------------------------------------------------------------
 
 
+# Rows with max |x| above this are rescaled before mean(x^2): below it, x^2 <= 2**96 and a sum of up to 2**32 of them
+# stays below FP32's max (2**128).
+_RMS_SAFE_AMAX = 2.0**48
+
+
 def rms_norm(x, w, eps):
-  """HF LlamaRMSNorm: normalize in FP32, cast back, then scale."""
+  """HF LlamaRMSNorm: normalize in FP32, cast back, then scale.
+
+  mean(x^2) overflows FP32 once |x| passes ~1e19 (the hidden state then becomes 0; seen with a diverging learning
+  rate), so a row whose max |x| exceeds ``_RMS_SAFE_AMAX`` is first multiplied by a power of two ``s`` that brings
+  it into [0.5, 1) (exact), and normalized as ``xs * rsqrt(mean(xs^2) + eps s^2)``, the same value. Every other row
+  has ``s = 1``, where each operation, and so the result, is bitwise the plain formula. Non-finite rows keep s = 1.
+  """
   x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+  _, exp = jnp.frexp(amax)  # amax = m * 2**exp, m in [0.5, 1)
+  scale = jnp.where((amax > _RMS_SAFE_AMAX) & jnp.isfinite(amax),
+                    jnp.ldexp(jnp.float32(1.0), -jnp.minimum(exp, 126)), jnp.float32(1.0))  # 2**-126: normal
+  xs = x32 * scale
+  y = xs * jax.lax.rsqrt(jnp.mean(xs * xs, axis=-1, keepdims=True) + eps * (scale * scale))
   return w.astype(x.dtype) * y.astype(x.dtype)
 
 

@@ -181,6 +181,24 @@ def train_val_split(examples: Sequence[PromptExample], val_size: int | float, *,
   return [examples[i] for i in train_idx], [examples[i] for i in val_idx]
 
 
+def prompt_batch(examples: Sequence[PromptExample], batch_size: int, index: int, *, seed: int = 0
+                 ) -> list[PromptExample]:
+  """Batch ``index`` of the epoch-wise shuffled stream, as a pure function (``PromptIterator``'s k-th batch).
+
+  Epoch ``e = index // batches_per_epoch`` visits the examples in the order ``permutation(seed, e)``; the batch is
+  the ``index % batches_per_epoch``-th run of ``batch_size`` of them (an epoch's last ``n % batch_size`` are
+  skipped, differently each epoch). The same arguments always give the same batch, whatever was drawn before.
+  """
+  n = len(examples)
+  if batch_size < 1 or n < batch_size:
+    raise ValueError(f"prompt_batch: need 1 <= batch_size <= {n} examples, got batch_size={batch_size}")
+  if index < 0:
+    raise ValueError(f"prompt_batch: index must be >= 0, got {index}")
+  epoch, i = divmod(int(index), n // batch_size)
+  order = np.random.default_rng([seed, epoch]).permutation(n)
+  return [examples[j] for j in order[i * batch_size:(i + 1) * batch_size]]
+
+
 class PromptIterator:
   """Batches of prompts: a fresh seeded permutation each epoch, and a position that checkpoints can save.
 

@@ -15,7 +15,11 @@ from fp8jax.rl import data, rewards
 
 
 class MathSource:
-  """The loop's data source for ``task = "math"`` (same interface as the embedded arithmetic task)."""
+  """The loop's data source for ``task = "math"`` (the ``fp8jax.rl.source.PromptSource`` interface).
+
+  Training batch ``k`` is ``data.prompt_batch(train split, grpo.num_prompts, k, seed)``: epoch-wise reshuffled,
+  a pure function of ``k`` (the loop keeps the position, ``k``, in its checkpoints).
+  """
 
   def __init__(self, config):
     from fp8jax import hf  # noqa: PLC0415
@@ -35,7 +39,11 @@ class MathSource:
     examples = data.load_prompts(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field,
                                  template=d.template, max_examples=d.max_examples or None)
     self.train, self.val = data.train_val_split(examples, d.val_size, seed=int(config.seed))
-    self.iter = data.PromptIterator(self.train, int(config.grpo.num_prompts), seed=int(config.seed))
+    self.seed = int(config.seed)
+    self.batch_size = int(config.grpo.num_prompts)
+    if len(self.train) < self.batch_size:
+      raise ValueError(f"data.path={d.path!r}: {len(self.train)} training prompts (after data.val_size="
+                       f"{d.val_size}) < grpo.num_prompts={self.batch_size}")
     self.pad_id = self.tok.pad_id if self.tok.pad_id is not None else self.tok.eos_ids[0]
     self.eos_id = self.tok.eos_ids[0]
     self.eos_ids = tuple(self.tok.eos_ids)
@@ -46,8 +54,9 @@ class MathSource:
                                               tokenize=True)) for p in prompts]
 
   def train_prompts(self, n, step):
-    del step  # the iterator's position is the state (saved in checkpoints)
-    batch = self.iter.next_batch()[:n]
+    if not 0 < n <= self.batch_size:
+      raise ValueError(f"MathSource.train_prompts: n={n} must be in [1, grpo.num_prompts={self.batch_size}]")
+    batch = data.prompt_batch(self.train, self.batch_size, step, seed=self.seed)[:n]
     return self._encode([e.prompt for e in batch]), [e.answer for e in batch]
 
   def validation(self, n):
@@ -62,7 +71,15 @@ class MathSource:
     return np.asarray(rewards.score_batch(texts, list(answers), rewards.math_reward, timeout_s=self.timeout_s))
 
   def state(self):
-    return {"data": self.iter.state()}
+    return {"data": {"seed": self.seed, "batch_size": self.batch_size, "num_examples": len(self.train)}}
 
   def load_state(self, meta):
-    self.iter = data.PromptIterator.from_state(self.train, meta["data"])
+    """Refuses a checkpoint made with another split, batch size or seed (its batch k would be other prompts)."""
+    saved, now = meta.get("data", {}), self.state()["data"]
+    keys = {"seed": "seed", "batch_size": "grpo.num_prompts", "num_examples": "the training split's size"}
+    diff = [f"{name}: {saved.get(k)} in the checkpoint, {now[k]} now" for k, name in keys.items()
+            if saved.get(k) != now[k]]
+    if diff:
+      raise ValueError("the checkpoint's prompt data differ from this config's (" + "; ".join(diff) + "): "
+                       "resuming would train on other batches. Use the checkpoint's data.path, data.val_size, "
+                       "data.max_examples, seed and grpo.num_prompts, or start a new run in another --workdir")

@@ -9,7 +9,15 @@ Per RL step (``RLTrainer.step``):
      metrics (or of all of them with grpo.recompute_old_logp);
   5. ``train_step`` per minibatch: FP8 forward/dgrad/wgrad, gradient accumulation over microbatches, AdamW;
   6. the next rollout's FP8 KV scales come from the K/V amax the training forward recorded.
-All randomness derives from (seed, step), so an interrupted and resumed run repeats the same metrics.
+All randomness derives from (seed, step); everything else a resumed run needs is in the checkpoint (the frozen KL
+reference policy, FP8 KV scales, the prompt-batch position, the model config it was made with), so an interrupted
+and resumed run repeats the same metrics.
+
+A run directory (``--workdir``) holds one run: ``checkpoints/``, ``metrics.jsonl``, ``tb/``, ``metrics.png`` and
+``.lock``. ``run`` locks it for its duration (a second process on it stops at once, naming the holder); resuming
+drops the metrics rows written after the checkpoint it resumes from (TensorBoard: a purge event hides them), so a
+kill and a resume never duplicate rows; and a run that does not resume refuses a directory that already holds a
+run (it would mix the two: orbax skips saving steps <= the latest one on disk), saying what to do instead.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import json
 import math
 import os
 import time
@@ -29,12 +38,13 @@ import optax
 
 import fp8jax
 from fp8jax import kvcache, ops, quant, sampler as sampler_lib, sharding
-from fp8jax.checkpoint import Checkpointer
+from fp8jax.checkpoint import Checkpointer, WorkdirLock
 from fp8jax.config_utils import dataclass_from_group
 from fp8jax.metrics import MetricsWriter, plot
 from fp8jax.model import llama
 from fp8jax.model.config import ModelConfig
 from fp8jax.rl import grpo
+from fp8jax.rl.source import PromptSource
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +76,14 @@ class GRPOConfig:
     return self.num_prompts * self.num_generations
 
   def __post_init__(self):
+    for key in ("num_prompts", "minibatches", "microbatch"):
+      if getattr(self, key) < 1:
+        raise ValueError(f"grpo.{key}={getattr(self, key)} must be >= 1")
+    if self.num_generations < 2:
+      # A group of one has no baseline: every advantage is 0, and the run would train on nothing and exit 0.
+      loo = " with grpo.leave_one_out=True (the leave-one-out baseline needs another completion)" \
+          if self.leave_one_out else " (a group of one has advantage 0: nothing to learn from)"
+      raise ValueError(f"grpo.num_generations={self.num_generations} must be >= 2{loo}")
     if self.batch % self.minibatches:
       raise ValueError(f"grpo.num_prompts*num_generations={self.batch} must divide by grpo.minibatches={self.minibatches}")
     mb = self.batch // self.minibatches
@@ -175,6 +193,8 @@ def train_step(state: TrainState, batch: dict, *, loss_fn, tx, cfg, lcfg, recipe
   params = optax.apply_updates(state.params, updates)
   metrics = {k: jnp.mean(v) for k, v in ms.items()}
   metrics.update(loss=loss, grad_norm=optax.tree.norm(grads), k_amax_L=jnp.max(k_amax, 0), v_amax_L=jnp.max(v_amax, 0))
+  # Checked on the host before anything is saved: a finite loss can still give non-finite updated weights.
+  metrics["params_finite_"] = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
   return TrainState(params, opt_state, state.step + 1), metrics
 
 
@@ -183,8 +203,53 @@ def train_step(state: TrainState, batch: dict, *, loss_fn, tx, cfg, lcfg, recipe
 # ------------------------------------------------------------------------------------------------------------------
 
 
-class NonFiniteLoss(RuntimeError):
-  pass
+class TrainingDiverged(RuntimeError):
+  """The run stopped because training diverged; nothing of the failing step was saved."""
+
+
+class NonFiniteLoss(TrainingDiverged):
+  """Non-finite loss, gradient norm or updated weights."""
+
+
+class PolicyCollapsed(TrainingDiverged):
+  """The policy no longer responds to its inputs (exactly zero gradient although advantages are nonzero)."""
+
+
+class CheckpointMismatch(ValueError):
+  """The checkpoint to resume was made with a config it cannot continue under (the message names the keys)."""
+
+
+class RunDirInUse(RuntimeError):
+  """A run that does not resume was pointed at a directory that already holds a run."""
+
+
+def validate_config(c) -> None:
+  """Checks, before any work starts, the values that would otherwise fail late or be silently ignored.
+
+  Each error names the config key. (Group-local checks live in the groups' dataclasses: GRPOConfig, ModelConfig,
+  quant.Recipe, SamplerConfig.)
+  """
+  def need(ok, key, why):
+    if not ok:
+      group, field = key.split(".")
+      raise ValueError(f"{key}={c[group][field]!r} {why}")
+
+  need(int(c.train.steps) >= 0, "train.steps", "must be >= 0 (0 runs the warm start and the first validation only)")
+  need(int(c.train.val_every) >= 1, "train.val_every",
+       "must be >= 1 (validation runs every val_every steps and at the last one; a value above train.steps "
+       "validates at the end only)")
+  need(int(c.train.val_prompts) >= 1, "train.val_prompts", "must be >= 1")
+  need(int(c.checkpoint.every) >= 1, "checkpoint.every",
+       "must be >= 1 (a checkpoint is written every `every` steps and at the last one; a value above train.steps "
+       "checkpoints at the end only)")
+  need(int(c.checkpoint.keep) >= 1, "checkpoint.keep", "must be >= 1")
+  need(int(c.warmstart.steps) >= 0, "warmstart.steps", "must be >= 0")
+  if int(c.warmstart.steps):
+    need(int(c.warmstart.batch) >= 1, "warmstart.batch", "must be >= 1")
+  r = c.rollout
+  need(1 <= int(r.max_new_tokens) < int(r.max_len), "rollout.max_new_tokens",
+       f"must be in [1, rollout.max_len={r.max_len}): prompt (>= 1 token) and completion share rollout.max_len, "
+       f"so more new tokens than that could never be generated")
 
 
 class RLTrainer:
@@ -192,6 +257,7 @@ class RLTrainer:
 
   def __init__(self, config, workdir: str | None = None, *, devices=None):
     self.c = config
+    validate_config(config)
     self.workdir = workdir or config.workdir
     hf_dir = config.checkpoint.hf_dir
     if hf_dir:  # the architecture comes from the checkpoint (config.model is ignored then)
@@ -212,8 +278,7 @@ class RLTrainer:
                                           kv_cache=self.recipe.kv_cache, decode_chunk=r.decode_chunk)
     self.task = _make_task(config, self.cfg)
     self.sp = sampler_lib.SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                         max_new_tokens=r.max_new_tokens,
-                                         stop_token_ids=tuple(getattr(self.task, "eos_ids", (self.task.eos_id,))))
+                                         max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(self.task.eos_ids))
     if self.recipe.mode == "fp8" and self.cfg.fp8_shape_problems():
       log.warning("FP8 GEMMs will zero-pad: %s", ", ".join(self.cfg.fp8_shape_problems()))
     self.mesh = sharding.make_mesh(config.mesh, devices)
@@ -224,9 +289,11 @@ class RLTrainer:
     self._build_steps()
     self.warm_done = False
     self.state = self._init_state()
-    self.ref_params = None
+    self.ref_params = None  # the frozen KL reference (FP8 sampling weights of the policy when RL started)
     self.kv_scales = None
-    self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=config.checkpoint.keep)
+    self.prompt_batch = 0  # training prompt batches drawn so far (the task's data position; checkpointed)
+    self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=config.checkpoint.keep,
+                             extra_items=("ref",))
 
   # -- setup --------------------------------------------------------------------------------------------------------
 
@@ -271,12 +338,24 @@ class RLTrainer:
                                                   recipe=self.recipe, temperature=self.sp.temperature))
     self._prepare = fp8jax.jit(functools.partial(sampler_lib.prepare_params, recipe=self.recipe))
 
+  def _ref_abstract(self):
+    """ShapeDtypeStructs (with the mesh's shardings) of the KL reference: ``prepare_params`` of the master params."""
+    shapes = jax.eval_shape(self._prepare, self._param_shapes())
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
+                        sharding.tree_shardings(shapes, self.mesh))
+
+  def take_reference(self):
+    """Freezes the current policy as the KL reference (grpo.kl_beta > 0): run() does so when RL starts."""
+    sh = jax.tree.map(lambda x: x.sharding, self._ref_abstract())
+    self.ref_params = jax.device_put(self._prepare(self.state.params), sh)
+
   def _init_state(self) -> TrainState:
     if self.c.checkpoint.hf_dir:
       from fp8jax import hf  # noqa: PLC0415
 
       shapes = self._param_shapes()
-      params = hf.load_params(self.c.checkpoint.hf_dir, self.cfg, shardings=sharding.tree_shardings(shapes, self.mesh))
+      params = hf.load_params(self.c.checkpoint.hf_dir, self.cfg, shardings=sharding.tree_shardings(shapes, self.mesh),
+                              pow2_scales=self.recipe.pow2_scales)  # block-FP8 checkpoints: the same codes again
       self.warm_done = True
     else:
       params = llama.init_params(self.cfg, seed=int(self.c.seed))
@@ -302,6 +381,10 @@ class RLTrainer:
       sb = self.task.supervised_examples(ws.batch, step=i, seq_len=self.scfg.max_len)
       batch = {"tokens": sb.tokens_NxL, "mask": sb.loss_mask_NxL[:, 1:]}
       state, m = self._sft_step(state, sharding.shard_batch(batch, self.mesh))
+    nll = float(m["nll"])
+    if not (math.isfinite(nll) and bool(m["params_finite_"])):  # NaN weights stay NaN: the last step shows it
+      raise NonFiniteLoss(f"warm start diverged by its step {ws.steps}: nll {nll}, updated weights finite: "
+                          f"{bool(m['params_finite_'])} (lower warmstart.lr={ws.lr}); nothing was saved")
     self.state = self._fresh_state(state.params, self.tx, self._state_sh, step=self.state.step)
     self.warm_done = True
     self.kv_scales = None  # recalibrate FP8 KV scales for the warm-started weights
@@ -341,7 +424,9 @@ class RLTrainer:
     stats = {}
     n_groups = 0
     for attempt in range(1 + (gc.max_refills if gc.dynamic_sampling else 0)):
-      prompts, answers = self.task.train_prompts(gc.num_prompts, step=step * (gc.max_refills + 1) + attempt)
+      # The data position is the count of batches drawn (checkpointed), so refills never skip or repeat prompts.
+      prompts, answers = self.task.train_prompts(gc.num_prompts, step=self.prompt_batch)
+      self.prompt_batch += 1
       t = time.perf_counter()
       sp = dataclasses.replace(self.sp, seed=int(self.c.seed) * 100003 + step * 17 + attempt)
       ro = self.sampler.generate(sparams, prompts, sp, n=gc.num_generations, kv_scales=self._kv_scales())
@@ -418,8 +503,8 @@ class RLTrainer:
     elif self.gc.is_kind != "none":
       raise ValueError("grpo.is_kind needs grpo.recompute_old_logp=True (the trainer's old log-probs)")
     if self.gc.kl_beta:  # the reference forward runs only with a KL penalty
-      if self.ref_params is None:
-        self.ref_params = self._prepare(self.state.params)
+      if self.ref_params is None:  # run() takes it when RL starts; direct step() callers get it here
+        self.take_reference()
       ref_lp, _, _ = self._logprobs(self.ref_params, tokens_j, kv_scales=kv)
       batch["ref_logp"] = np.asarray(ref_lp)
     timing["logprob_s"] = time.perf_counter() - t
@@ -434,10 +519,8 @@ class RLTrainer:
         mb["kv_scales"] = kv
       lr = float(self.lr_sched(int(self.state.step)))
       self.state, tm = self._grpo_step(self.state, mb)
-      loss = float(tm["loss"])
-      if not math.isfinite(loss):
-        raise NonFiniteLoss(f"non-finite loss {loss} at RL step {step} (minibatch {i}); the last good checkpoint "
-                            f"in {self.ckpt.directory} is left intact")
+      self._check_update(step, i, tm, lr, batch["adv"][i * size:(i + 1) * size], batch["mask"][i * size:(i + 1) * size])
+    tm = {k: v for k, v in tm.items() if k != "params_finite_"}
     timing["train_s"] = time.perf_counter() - t
     t = time.perf_counter()
     if self.recipe.kv_cache == "fp8":  # next rollout's KV scales from this step's training-forward amax
@@ -453,41 +536,146 @@ class RLTrainer:
     metrics.update(timing)
     return metrics
 
+  def _last_checkpoint_text(self) -> str:
+    last = self.ckpt.latest_step()
+    if last is None:
+      return f"no checkpoint has been written to {self.ckpt.directory} yet"
+    return f"the latest checkpoint, step {last} in {self.ckpt.directory}, is from before it (resume from it)"
+
+  def _check_update(self, step: int, minibatch: int, tm: dict, lr: float, adv_B, mask_BxT):
+    """Stops the run, before anything of RL step ``step`` (0-based; messages say step + 1, as metrics do) is saved,
+    when the update is not finite or the policy has collapsed."""
+    loss, gnorm, finite = float(tm["loss"]), float(tm["grad_norm"]), bool(tm["params_finite_"])
+    where = f"RL step {step + 1} (minibatch {minibatch + 1} of {self.gc.minibatches})"
+    if not (math.isfinite(loss) and math.isfinite(gnorm) and finite):
+      raise NonFiniteLoss(f"training diverged at {where}: loss {loss}, grad_norm {gnorm}, updated weights finite: "
+                          f"{finite} (optim.lr={lr:g}); nothing of this step was saved: "
+                          f"{self._last_checkpoint_text()}")
+    # A policy whose hidden state or logits no longer depend on the weights (e.g. overflowed weights: uniform
+    # logits) has an exactly zero gradient although its advantages are not zero; a healthy one does not, because the
+    # policy-gradient term of every unclipped token with a nonzero advantage contributes. (A later minibatch whose
+    # every token is clipped would also give 0; with one engine the first minibatch's ratios are exactly 1.)
+    n_adv = int(np.sum(np.any((np.asarray(adv_B)[:, None] != 0) & (np.asarray(mask_BxT) > 0), axis=-1)))
+    if gnorm == 0.0 and n_adv:
+      pmax = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(self.state.params))
+      ent = float(tm.get("entropy", float("nan")))
+      raise PolicyCollapsed(
+          f"policy collapsed at {where}: the gradient is exactly 0 although {n_adv} sequences have nonzero "
+          f"advantages (entropy {ent:.4g}, log(vocab) = {math.log(self.cfg.vocab_size):.4g}; max |weight| "
+          f"{pmax:.3g}): the weights have likely overflowed (optim.lr={lr:g}); {self._last_checkpoint_text()}")
+
   # -- run ----------------------------------------------------------------------------------------------------------
 
+  # Model config keys that change parameter shapes (a checkpoint made with other values cannot be restored).
+  SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "tie_embeddings",
+                "qk_norm")
+
   def _meta(self, step: int) -> dict:
-    meta = {"step": step, "seed": int(self.c.seed), "warm_done": self.warm_done,
-            "kv_scales": None if self.kv_scales is None else [np.asarray(s).tolist() for s in self.kv_scales]}
+    meta = {"step": step, "seed": int(self.c.seed), "warm_done": self.warm_done, "prompt_batch": self.prompt_batch,
+            "kv_scales": None if self.kv_scales is None else [np.asarray(s).tolist() for s in self.kv_scales],
+            "model": json.loads(json.dumps(dataclasses.asdict(self.cfg))), "kl_reference": self.ref_params is not None}
     meta.update(self.task.state())
     return meta
 
   def save(self, step: int):
-    self.ckpt.save(step, self.state, self._meta(step))
+    ref = self.ref_params if self.gc.kl_beta else None
+    self.ckpt.save(step, self.state, self._meta(step), ref=ref)
+
+  def _check_checkpoint_config(self, step: int, meta: dict):
+    """Raises, naming each differing key, when the checkpoint was made with another model shape."""
+    where = self.ckpt.step_dir(step)
+    saved = meta.get("model")
+    if saved is None:
+      log.warning("%s has no model config (written by an older fp8jax): not compared with this config's", where)
+      return
+    now = json.loads(json.dumps(dataclasses.asdict(self.cfg)))
+    diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+    shape = [f"model.{k}={old!r} in the checkpoint, {new!r} now" for k, (old, new) in diff.items() if k in
+             self.SHAPE_KEYS]
+    if shape:
+      raise CheckpointMismatch(f"{where} was saved with another model shape: {'; '.join(shape)}. Resume with the "
+                               f"checkpoint's values, or start a new run in another --workdir")
+    if diff:
+      log.warning("%s was saved with other model settings (%s); resuming with this config's", where,
+                  "; ".join(f"model.{k}={o!r} -> {n!r}" for k, (o, n) in diff.items()))
+
+  def _restore_step(self, step: int):
+    meta = self.ckpt.read_meta(step)
+    self._check_checkpoint_config(step, meta)
+    if not self.gc.kl_beta:
+      return self.ckpt.restore(step, self.state) + ({},)
+    if not meta.get("kl_reference") or not os.path.isdir(os.path.join(self.ckpt.step_dir(step), "ref")):
+      raise CheckpointMismatch(
+          f"{self.ckpt.step_dir(step)} holds no KL reference policy (saved with grpo.kl_beta=0, before RL started, "
+          f"or by an older fp8jax), so grpo.kl_beta={self.gc.kl_beta} cannot resume it with the reference it "
+          f"started from. Resume with grpo.kl_beta=0, or start a new run in another --workdir")
+    return self.ckpt.restore(step, self.state, ref=self._ref_abstract())
 
   def restore(self) -> int:
-    """Restores the latest checkpoint if any; returns the next RL step to run."""
-    last = self.ckpt.latest_step()
-    if last is None:
+    """Restores the newest readable checkpoint if any; returns the next RL step to run.
+
+    A corrupt newest checkpoint is set aside with a warning and the previous one used (fp8jax.checkpoint); a
+    checkpoint of another model shape, or without the KL reference a run with grpo.kl_beta > 0 needs, raises.
+    """
+    found = self.ckpt.restore_latest(self._restore_step)
+    if found is None:
       return 0
-    self.state, meta = self.ckpt.restore(last, self.state)
+    last, (self.state, meta, extra) = found
+    self.ref_params = extra.get("ref")
     self.warm_done = meta["warm_done"]
     self.kv_scales = None
     if meta["kv_scales"] is not None:
       self._set_kv_scales(meta["kv_scales"])
+    if "prompt_batch" in meta:
+      self.prompt_batch = int(meta["prompt_batch"])
+    else:  # written before the position was checkpointed: batch k was drawn for step k // (refills + 1)
+      self.prompt_batch = last * (self.gc.max_refills + 1)
+      log.warning("%s has no prompt_batch (older fp8jax): continuing at prompt batch %d", self.ckpt.step_dir(last),
+                  self.prompt_batch)
     self.task.load_state(meta)
     log.warning("resumed from %s at step %d", self.ckpt.directory, last)
     return last
 
+  def _refuse_used_workdir(self):
+    """A run that does not resume must not start in a directory that already holds one (module docstring)."""
+    steps = self.ckpt.all_steps()
+    metrics = os.path.join(self.workdir, "metrics.jsonl")
+    has_metrics = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
+    if steps or has_metrics:
+      what = (f"checkpoints of steps {steps}" if steps else "") + (" and " if steps and has_metrics else "") + \
+          ("metrics.jsonl" if has_metrics else "")
+      raise RunDirInUse(
+          f"run directory {self.workdir} already holds a run ({what}) and checkpoint.resume is off (--noresume): "
+          f"starting over in it would mix the two runs (orbax does not overwrite steps <= {max(steps or [0])}, "
+          f"metrics.jsonl would hold both). Use a new --workdir, or delete {self.ckpt.directory}, {metrics} and "
+          f"{os.path.join(self.workdir, 'tb')} to start over in this one")
+
   def run(self, steps: int | None = None, *, progress: bool = True) -> list[dict]:
-    steps = self.total_steps if steps is None else steps
-    start = self.restore() if self.c.checkpoint.resume else 0
-    writer = MetricsWriter(self.workdir, steps - start + (start == 0), progress=progress)  # + warm-start row
+    """Runs (or resumes) the loop up to ``steps`` RL steps, holding the run directory's lock throughout."""
+    steps = self.total_steps if steps is None else int(steps)
+    if steps < 0:
+      raise ValueError(f"steps={steps} (--steps / train.steps) must be >= 0")
+    with WorkdirLock(self.workdir):
+      return self._run(steps, progress)
+
+  def _run(self, steps: int, progress: bool) -> list[dict]:
+    if self.c.checkpoint.resume:
+      start = self.restore()
+    else:
+      self._refuse_used_workdir()
+      start = 0
+    # keep_through: rows of steps after the restored checkpoint were written by the interrupted run (rows <= start
+    # are kept); a run from step 0 rewrites every row.
+    writer = MetricsWriter(self.workdir, max(steps - start, 0) + (start == 0), progress=progress,
+                           keep_through=start if start else -1)  # + warm-start row
     history = []
     try:
       if start == 0:
         ws = self.warmstart()
         row = writer.write(0, {**ws, **self.validate(), "ckpt_s": 0.0})
         history.append(row)
+      if self.gc.kl_beta and self.ref_params is None:
+        self.take_reference()  # the policy RL starts from (after the warm start), checkpointed with every save
       for step in range(start, steps):
         m = self.step(step)
         if (step + 1) % self.c.train.val_every == 0 or step + 1 == steps:
@@ -504,12 +692,15 @@ class RLTrainer:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Tasks: what the loop needs from a data source
+# Tasks: the data sources the loop can run on (the interface and its rules: fp8jax.rl.source.PromptSource)
 # ------------------------------------------------------------------------------------------------------------------
 
 
 class _ArithmeticSource:
-  """Adapter: the embedded arithmetic task (tokenized prompts, exact-match reward)."""
+  """Adapter: the embedded arithmetic task (tokenized prompts, exact-match reward) as a ``source.PromptSource``.
+
+  Batch ``step`` is ``ArithmeticTask.sample(n, step=step)``: a stream keyed by (seed, step), pure in ``step``.
+  """
 
   def __init__(self, config):
     from fp8jax.rl import tasks  # noqa: PLC0415
@@ -519,6 +710,7 @@ class _ArithmeticSource:
     self.tok = self.task.tokenizer
     self.pad_id = self.tok.pad_id
     self.eos_id = self.tok.eos_id
+    self.eos_ids = (self.tok.eos_id,)
 
   def _encode(self, prompts):
     return [self.tok.encode(p, add_bos=True) for p in prompts]
@@ -550,14 +742,16 @@ class _ArithmeticSource:
     self.task.load_state(meta["task"])
 
 
-def _make_task(config, cfg: ModelConfig):
+def _make_task(config, cfg: ModelConfig) -> PromptSource:
   if config.task == "arithmetic":
     src = _ArithmeticSource(config)
     if src.tok.vocab_size > cfg.vocab_size:
       raise ValueError(f"model.vocab_size={cfg.vocab_size} < the arithmetic tokenizer's {src.tok.vocab_size}")
-    return src
-  if config.task == "math":
+  elif config.task == "math":
     from fp8jax.rl.math_source import MathSource  # noqa: PLC0415
 
-    return MathSource(config)
-  raise ValueError(f"task={config.task!r} is not 'arithmetic' or 'math'")
+    src = MathSource(config)
+  else:
+    raise ValueError(f"task={config.task!r} is not 'arithmetic' or 'math'")
+  assert isinstance(src, PromptSource), type(src)
+  return src

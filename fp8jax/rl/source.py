@@ -1,0 +1,63 @@
+"""What the GRPO loop needs from a task: the prompt-source interface, and the rules a source must follow.
+
+The loop (``fp8jax.rl.trainer.RLTrainer``) talks to its task only through these members. Two sources implement
+them: the embedded arithmetic task (``trainer._ArithmeticSource``) and local math prompt files
+(``fp8jax.rl.math_source.MathSource``); ``tests/test_tasks.py`` checks both against the rules below.
+
+Rules (what makes a run resumable and its batches independent of who else asked for prompts):
+
+1. ``train_prompts(n, step)`` is a pure function of ``(n, step)`` (and of the source's construction arguments):
+   the same arguments give the same prompts, whatever was called before. ``step`` is a *prompt-batch index*, not
+   necessarily the RL step: the loop draws batch 0, 1, 2, ... in order (dynamic sampling's refills draw further
+   batches) and saves how many it has drawn in the checkpoint (``meta["prompt_batch"]``), so the data position
+   lives in the checkpoint, not in the source. Calibration or any other extra call does not move it.
+2. ``validation(n)`` returns the same first ``n`` held-out prompts every time; they never appear in training
+   batches.
+3. ``score(rollout, answers)`` is a pure function of the completions and answers: ``float32`` rewards, one per
+   rollout row (row r answers ``answers[r]``).
+4. ``state()`` returns a JSON-able dict describing what the prompts depend on (seed, dataset size, ...), saved in
+   checkpoint metadata; ``load_state(meta)`` raises, naming what differs, when the checkpoint was written with
+   another dataset or seed (resuming would silently train on other batches).
+
+Prompts are token-id lists (the source tokenizes: chat template, BOS); answers are whatever ``score`` reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+  """The task interface of the GRPO loop (module docstring: rules 1-4)."""
+
+  pad_id: int  # token id used to pad sequences
+  eos_ids: tuple[int, ...]  # every token that ends a completion
+
+  def train_prompts(self, n: int, step: int) -> tuple[list[list[int]], Sequence[Any]]:
+    """Batch ``step`` of ``n`` training prompts (token ids) and their answers; pure in ``(n, step)``."""
+    ...
+
+  def validation(self, n: int) -> tuple[list[list[int]], Sequence[Any]]:
+    """The first ``n`` held-out prompts and answers (the same every call)."""
+    ...
+
+  def score(self, ro, answers: Sequence[Any]) -> np.ndarray:
+    """float32 rewards (R,) of a ``sampler.Rollout``'s rows against ``answers`` (one per row)."""
+    ...
+
+  def supervised_examples(self, n: int, step: int, seq_len: int):
+    """Warm-start batch ``step`` (an ``fp8jax.rl.tasks.SupervisedBatch``), or a ValueError naming the config key
+    when the source has none (then warmstart.steps must be 0)."""
+    ...
+
+  def state(self) -> dict:
+    """JSON-able description of what the prompts depend on, for checkpoint metadata."""
+    ...
+
+  def load_state(self, meta: dict) -> None:
+    """Checks a checkpoint's ``state()`` against this source; raises naming what differs."""
+    ...
