@@ -10,6 +10,8 @@ written, so a truncated or missing file is found before orbax reads anything, an
 the checkpoints newest first; a corrupt one is renamed ``<step>.corrupt`` (orbax then ignores it, and the step can
 be saved again) and the previous one is used, with a logged warning. Checkpoints without a manifest (written
 before it existed, or a crash between orbax's commit and the manifest) are checked for their metadata files only.
+When orbax fails on a step whose files are complete, nothing is moved (the error may be transient): the error
+names the step and gives the command that moves it aside.
 """
 
 from __future__ import annotations
@@ -33,7 +35,13 @@ _JSON_FILES = ("state/_METADATA", "meta/metadata")
 
 
 class CheckpointCorrupt(RuntimeError):
-  """A checkpoint step that cannot be restored; the message names the step directory and the file."""
+  """A checkpoint step whose files are missing, truncated or not JSON; the message names the step directory and
+  the file. ``restore_latest`` moves such a step aside and falls back to the previous one."""
+
+
+class CheckpointUnreadable(RuntimeError):
+  """Orbax failed to restore a step whose files look intact (``verify`` passed): maybe damage the manifest cannot
+  see, maybe a transient error (memory, file system). Not moved aside automatically; the message says how."""
 
 
 class Checkpointer:
@@ -130,8 +138,7 @@ class Checkpointer:
     try:
       return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise many types; name the place, keep the cause)
-      raise CheckpointCorrupt(f"{self.step_dir(step)}: meta/ cannot be restored: {type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:300]}") from e
+      raise self._unreadable(step, "meta/", e) from e
 
   def restore(self, step: int, abstract_state, **extra_abstract):
     """Restores onto the shardings of ``abstract_state`` (a pytree of arrays or ShapeDtypeStructs), and the extra
@@ -145,16 +152,24 @@ class Checkpointer:
       out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target(abstract_state)),
                                                              meta=ocp.args.JsonRestore(), **items))
     except Exception as e:  # noqa: BLE001
-      raise CheckpointCorrupt(f"{self.step_dir(step)}: cannot be restored: {type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:300]}") from e
+      raise self._unreadable(step, "the state", e) from e
     if extra_abstract:
       return out["state"], out["meta"], {k: out[k] for k in extra_abstract}
     return out["state"], out["meta"]
 
+  def _unreadable(self, step: int, what: str, e: Exception) -> CheckpointUnreadable:
+    d = self.step_dir(step)
+    return CheckpointUnreadable(
+        f"{d}: {what} cannot be restored although its files are complete: {type(e).__name__}: "
+        f"{str(e).splitlines()[0][:300]}. If the error is transient (memory, file system), rerun; if the checkpoint "
+        f"is damaged, move it aside (mv {d} {d}.corrupt) and rerun to resume from the previous one")
+
   def restore_latest(self, restore_fn: Callable[[int], object]):
     """``(step, restore_fn(step))`` for the newest step that ``restore_fn`` restores without CheckpointCorrupt, or
-    None when there are no checkpoints. Corrupt newer steps are quarantined with a warning; when every step is
-    corrupt, raises CheckpointCorrupt listing them. Other errors (e.g. a config that does not match) propagate.
+    None when there are no checkpoints. Corrupt newer steps (missing/truncated files: CheckpointCorrupt) are
+    quarantined with a warning; when every step is corrupt, raises CheckpointCorrupt listing them. Other errors
+    (CheckpointUnreadable, a config that does not match) propagate: nothing is moved on an error that may be
+    transient.
     """
     steps = self.all_steps()
     if not steps:

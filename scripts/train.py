@@ -33,7 +33,7 @@ def main(argv):
   del argv
   if _CONFIG.value is None:
     raise app.UsageError("--config is required, e.g. --config=configs/tiny_fp8.py")
-  from fp8jax.checkpoint import CheckpointCorrupt, WorkdirLocked  # noqa: PLC0415
+  from fp8jax.checkpoint import CheckpointCorrupt, CheckpointUnreadable, WorkdirLocked  # noqa: PLC0415
   from fp8jax.metrics import read_jsonl  # noqa: PLC0415
   from fp8jax.rl.trainer import CheckpointMismatch, RLTrainer, RunDirInUse, TrainingDiverged  # noqa: PLC0415
 
@@ -44,7 +44,8 @@ def main(argv):
   try:
     trainer = RLTrainer(config, _WORKDIR.value)
     history = trainer.run(_STEPS.value)
-  except (TrainingDiverged, WorkdirLocked, RunDirInUse, CheckpointMismatch, CheckpointCorrupt) as e:
+  except (TrainingDiverged, WorkdirLocked, RunDirInUse, CheckpointMismatch, CheckpointCorrupt,
+          CheckpointUnreadable) as e:
     sys.exit(f"error: {e}")
   # The summary covers the whole run, also when this call resumed it (metrics.jsonl is appended to).
   path = os.path.join(trainer.workdir, "metrics.jsonl")

@@ -183,6 +183,17 @@ def test_corrupt_latest_checkpoint_is_named_and_the_previous_one_used(tmp_path, 
   assert ck.restore(2, STATE)[1] == {"step": 2}
 
 
+def test_an_orbax_failure_on_complete_files_moves_nothing_and_says_how(tmp_path):
+  """A restore error with every file intact may be transient (memory, file system): name the step, move nothing."""
+  ck = checkpoint.Checkpointer(str(tmp_path), keep=3)
+  ck.save(1, STATE, {"step": 1})
+  wrong = {k: jnp.zeros((v.shape[0] + 1, *v.shape[1:]), v.dtype) if k == "w" else v for k, v in STATE.items()}
+  with pytest.raises(checkpoint.CheckpointUnreadable, match=rf"{ck.step_dir(1)}: the state cannot be restored.*"
+                     rf"mv {ck.step_dir(1)} {ck.step_dir(1)}.corrupt"):
+    ck.restore_latest(lambda s: ck.restore(s, wrong))
+  assert ck.all_steps() == [1] and not os.path.exists(ck.step_dir(1) + ".corrupt")
+
+
 def test_every_checkpoint_corrupt_raises_listing_them(tmp_path):
   ck = checkpoint.Checkpointer(str(tmp_path), keep=3)
   for step in (1, 2):
