@@ -2,8 +2,9 @@
 
 Layout: per decoder layer, ``k`` and ``v`` are (slots, length, n_kv_heads, head_dim); slot ``j`` of a row holds
 the key/value of the token at position ``j`` (post-RoPE keys). A query at position ``p`` attends slots ``j <= p``.
-The length is the requested ``max_len`` rounded up to the attention op's 128-key block (``padded_len``), so the
-kernels read whole blocks without a padded copy of the cache; the sampler still stops sequences at its max_len.
+The length is the requested ``max_len`` rounded up to the attention op's key block (``padded_len``: 128 for the GPU
+kernels, 16 for the CPU reference), so attention reads whole blocks without a padded copy of the cache; the sampler
+still stops sequences at its max_len.
 
 FP8 cache: one FP32 scale per layer for K and one for V (per-tensor, as vLLM's FP8 KV cache). On write the values
 are quantized with ``quantize_kv``; attention reads the E4M3 codes (upcast exactly to BF16) and multiplies the
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax import quant
-from pallas_kernels.attention import BLOCK_KV
+from pallas_kernels.attention import key_block
 
 
 @jax.tree_util.register_dataclass
@@ -52,7 +53,8 @@ class KVCache:
 
 def padded_len(max_len: int) -> int:
   """The cache length allocated for ``max_len`` positions: a whole number of attention key blocks."""
-  return -(-max_len // BLOCK_KV) * BLOCK_KV
+  block = key_block()
+  return -(-max_len // block) * block
 
 
 def cache_bytes(n_layers: int, slots: int, max_len: int, n_kv_heads: int, head_dim: int, fp8: bool) -> int:

@@ -1,4 +1,4 @@
-"""Causal GQA attention over 128-key blocks with an online softmax: the numerics contract and its plain-jnp reference.
+"""Causal GQA attention over fixed key blocks with an online softmax: the numerics contract and its plain-jnp reference.
 
 Operands (one layout for training, prefill and decode):
   q_BxTxHxD      queries (BF16), T query rows per sequence at positions ``q_pos_BxT`` (-1: a padding row).
@@ -12,8 +12,9 @@ A query row at position p sees keys j <= p.
 
 Math (the contract every backend follows, so that a row's result does not depend on anything but its own query,
 its position and the keys it sees):
-  for key block n = 0, 1, ... in increasing order, with blocks of BLOCK_KV = 128 keys [128 n, 128 n + 128),
-  as long as 128 n <= p (later blocks are not visited at all):
+  for key block n = 0, 1, ... in increasing order, with blocks of bk keys [bk n, bk n + bk), as long as bk n <= p
+  (later blocks are not visited at all); bk is fixed per backend (``key_block``): BLOCK_KV = 128 for the GPU
+  kernels, CPU_BLOCK_KV = 16 for the CPU reference (invariance needs a fixed block, not a particular one):
     s   = (q . k_j) * qk_scale  for j in the block, FP32 dots of BF16 operands; -inf where j > p
     m'  = max(m, max_j s);  m0 = m' (0 if m' = -inf)
     l   = l * exp2(m - m0) + sum_j exp2(s - m0)
@@ -24,13 +25,14 @@ Nothing depends on how many rows, heads, sequences or slots are computed togethe
 the row's own blocks: no split over keys, no shape-dependent block size. So a decode row (one query over a slot's
 cache) and the training row at the same position (a sequence of queries over their own keys) run the same
 sequence of updates on the same numbers, and agree bit for bit wherever the backend computes each row with
-shape-independent instructions (the Pallas kernels by construction: one kernel body and tile shape for both;
-XLA:CPU in tests/test_attention.py). Values at keys j > p enter only multiplied by 0; the V rows past a tile's
+shape-independent instructions (the Pallas kernels by construction: one kernel body, 64 rows per warpgroup;
+XLA:CPU: one fixed-shape body for every row, ``attention_reference``; tests/test_attention.py). Values at keys j > p enter only multiplied by 0; the V rows past a tile's
 last visible key are zeroed so that stale cache rows (even NaN) cannot leak into a row.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -38,6 +40,13 @@ import jax.numpy as jnp
 
 BLOCK_KV = 128
 LOG2E = math.log2(math.e)
+
+
+def key_block() -> int:
+  """The key block of this backend's attention: BLOCK_KV for the kernels (GPUs), CPU_BLOCK_KV for the CPU reference.
+
+  KV caches are allocated in whole blocks of this size (``fp8jax.kvcache.padded_len``)."""
+  return CPU_BLOCK_KV if jax.default_backend() == "cpu" else BLOCK_KV
 
 
 def check_operands(q, k, v, q_pos):
@@ -57,14 +66,15 @@ def check_operands(q, k, v, q_pos):
       raise ValueError(f"attention: {name} must be {jnp.dtype(q.dtype)} (q's dtype) or float8_e4m3fn, got {x.dtype}")
 
 
-def pad_keys(x_BxSxKxD, block: int = BLOCK_KV):
+def pad_keys(x_BxSxKxD, block: int):
   """Zero-pads the key axis to a multiple of ``block`` (padding keys are never visible: index > every position)."""
   s = x_BxSxKxD.shape[1]
   sp = -(-s // block) * block
   return x_BxSxKxD if sp == s else jnp.pad(x_BxSxKxD, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
 
 
-ROW_TILE = 16  # rows per fixed-shape tile of the CPU reference (see attention_reference)
+CPU_BLOCK_KV = 16  # the CPU reference's key block (attention_reference)
+TILE_ROWS = 256  # rows per step of the CPU reference's lax.map
 
 
 def _block_update(carry, q_RxD, kb_NxD, vb_NxD, start, pos_R, last, qk_scale):
@@ -90,7 +100,7 @@ def _block_update(carry, q_RxD, kb_NxD, vb_NxD, start, pos_R, last, qk_scale):
 
 
 def _attend_rows(q_RxD, k_NbxbkxD, v_NbxbkxD, pos_R, last, qk_scale):
-  """Rows (..., R) over key blocks (Nb, ..., bk, D) in order -> (m, l, acc) of the contract."""
+  """Rows (..., R) over every key block (Nb, ..., bk, D) in order -> (m, l, acc) of the contract (differentiable)."""
   lead, (r, d) = q_RxD.shape[:-2], q_RxD.shape[-2:]
   bk = k_NbxbkxD.shape[-2]
 
@@ -98,61 +108,112 @@ def _attend_rows(q_RxD, k_NbxbkxD, v_NbxbkxD, pos_R, last, qk_scale):
     n, kb, vb = xs
     return _block_update(carry, q_RxD, kb, vb, n * bk, pos_R, last, qk_scale), None
 
-  init = (jnp.full((*lead, r), -jnp.inf, jnp.float32), jnp.zeros((*lead, r), jnp.float32),
-          jnp.zeros((*lead, r, d), jnp.float32))
   nb = k_NbxbkxD.shape[0]
-  return jax.lax.scan(body, init, (jnp.arange(nb, dtype=jnp.int32), k_NbxbkxD, v_NbxbkxD))[0]
+  return jax.lax.scan(body, _init(lead, r, d), (jnp.arange(nb, dtype=jnp.int32), k_NbxbkxD, v_NbxbkxD))[0]
 
 
-def attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, *, block_kv: int = BLOCK_KV):
-  """The contract in plain jnp (module docstring) -> (out_BxTxHxD in q's dtype, lse_BxHxT FP32 in log2 units).
+def _init(lead, r, d):
+  return (jnp.full((*lead, r), -jnp.inf, jnp.float32), jnp.zeros((*lead, r), jnp.float32),
+          jnp.zeros((*lead, r, d), jnp.float32))
 
-  Rows are the (position, head) pairs of each (sequence, key/value head). On XLA:CPU they are cut into fixed-shape
-  tiles of ROW_TILE rows, and one ``lax.map`` body (a tile's loop over its key blocks) computes every tile, so every
-  row goes through the same compiled code whatever the batch, the number of rows or the key length: decode rows
-  equal training rows bit for bit (tests/test_attention.py). Vectorizing over all rows instead lets XLA:CPU pick its
-  code by the whole shape (seen: one row in ~90k a BF16 ulp off, a 4 x 700 batch); letting producers fuse into the
-  reductions changes their rounding per fusion (seen: 40% of a 3-layer model's hidden values). Elsewhere (GPUs,
-  where the kernels provide the invariance) all rows are vectorized. Differentiable by JAX autodiff: the independent
-  reference for the kernels' backward pass. It keeps each block's scores for the backward, so it is for tests, CPU
-  runs and fallbacks, not for 4096-token training on a GPU.
+
+def _attend_rows_tiled(q_BxKxRxD, kb, vb, pos_BxR, last_B, qk_scale, g: int):
+  """The same (m, l, acc), forward only, with every row computed by one fixed-shape body (XLA:CPU exactness).
+
+  Tiles are the G rows (heads) of one (sequence, key/value head, position); a ``lax.map`` step computes
+  TILE_ROWS // G of them, the tile count padded with empty tiles so that every step is full; in a step the key
+  blocks run up to the step's last position only (later blocks would be skipped by every row anyway).
   """
-  check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT)
-  b, t, h, d = q_BxTxHxD.shape
-  n_kv = k_BxSxKxD.shape[2]
-  g, r = h // n_kv, t * (h // n_kv)
-  dtype = q_BxTxHxD.dtype
-  k, v = pad_keys(k_BxSxKxD, block_kv), pad_keys(v_BxSxKxD, block_kv)
-  nb = k.shape[1] // block_kv
-  q_BxKxRxD = q_BxTxHxD.reshape(b, t, n_kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, n_kv, r, d)
-  pos = q_pos_BxT.astype(jnp.int32)
-  pos_BxR = jnp.repeat(pos, g, axis=1)
-  last_B = jnp.max(pos, axis=1)
-  qk_scale = jnp.asarray(qk_scale, jnp.float32)
-  kb, vb = (x.reshape(b, nb, block_kv, n_kv, d).transpose(1, 0, 3, 2, 4) for x in (k, v))  # (Nb, B, K, bk, D)
-  if jax.default_backend() != "cpu":
-    m, l, acc = _attend_rows(q_BxKxRxD, kb, vb, pos_BxR[:, None], last_B[:, None], qk_scale)
-  else:
-    rp = -(-r // ROW_TILE) * ROW_TILE
-    nt = rp // ROW_TILE
-    q_t = jnp.pad(q_BxKxRxD, ((0, 0), (0, 0), (0, rp - r), (0, 0))).reshape(b * n_kv * nt, ROW_TILE, d)
-    pos_t = jnp.broadcast_to(jnp.pad(pos_BxR, ((0, 0), (0, rp - r)), constant_values=-1).reshape(b, 1, nt, ROW_TILE),
-                             (b, n_kv, nt, ROW_TILE)).reshape(-1, ROW_TILE)
-    tile_b = jnp.repeat(jnp.arange(b, dtype=jnp.int32), n_kv * nt)
-    tile_k = jnp.tile(jnp.repeat(jnp.arange(n_kv, dtype=jnp.int32), nt), b)
+  b, n_kv, r, d = q_BxKxRxD.shape
+  n = max(1, TILE_ROWS // g)
+  nt = b * n_kv * (r // g)
+  pad = -(-nt // n) * n - nt
+  q_t = jnp.pad(q_BxKxRxD.reshape(nt, g, d), ((0, pad), (0, 0), (0, 0))).reshape(-1, n, g, d)
+  pos_t = jnp.pad(jnp.broadcast_to(pos_BxR[:, None], (b, n_kv, r)).reshape(nt, g), ((0, pad), (0, 0)),
+                  constant_values=-1).reshape(-1, n, g)
+  tb = jnp.pad(jnp.repeat(jnp.arange(b, dtype=jnp.int32), n_kv * (r // g)), (0, pad)).reshape(-1, n)
+  tk = jnp.pad(jnp.tile(jnp.repeat(jnp.arange(n_kv, dtype=jnp.int32), r // g), b), (0, pad)).reshape(-1, n)
+  bk, nb = kb.shape[-2], kb.shape[0]
 
-    def tile(xs):
-      q1, p1, bi, ki = xs
-      return _attend_rows(q1, kb[:, bi, ki], vb[:, bi, ki], p1, last_B[bi], qk_scale)
+  def step(xs):
+    q1, p1, bi, ki = xs
+    kbt, vbt, last = kb[:, bi, ki], vb[:, bi, ki], last_B[bi]
+    blocks = jnp.clip(jax.lax.div(jnp.max(p1) + bk, bk), 0, nb)
+    return jax.lax.fori_loop(0, blocks, lambda j, c: _block_update(c, q1, kbt[j], vbt[j], j * bk, p1, last,
+                                                                   qk_scale), _init((n,), g, d))
 
-    m, l, acc = jax.lax.map(tile, (q_t, pos_t, tile_b, tile_k))
-    m, l = (x.reshape(b, n_kv, rp)[..., :r] for x in (m, l))
-    acc = acc.reshape(b, n_kv, rp, d)[..., :r, :]
+  m, l, acc = jax.lax.map(step, (q_t, pos_t, tb, tk))
+  return m.reshape(-1, g)[:nt].reshape(b, n_kv, r), l.reshape(-1, g)[:nt].reshape(b, n_kv, r), \
+      acc.reshape(-1, g, d)[:nt].reshape(b, n_kv, r, d)
+
+
+def _finish(m, l, acc, v_scale, dtype, b, t, h, g):
+  n_kv, d = h // g, acc.shape[-1]
   seen = l > 0
   inv = jnp.where(seen, jnp.asarray(v_scale, jnp.float32) / jnp.where(seen, l, 1.0), 0.0)
   out = (acc * inv[..., None]).astype(dtype).reshape(b, n_kv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
   lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf).reshape(b, n_kv, t, g)
   return out, lse.transpose(0, 1, 3, 2).reshape(b, h, t)
+
+
+def _reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, block_kv: int, tiled: bool):
+  b, t, h, d = q_BxTxHxD.shape
+  n_kv = k_BxSxKxD.shape[2]
+  g, r = h // n_kv, t * (h // n_kv)
+  k, v = pad_keys(k_BxSxKxD, block_kv), pad_keys(v_BxSxKxD, block_kv)
+  nb = k.shape[1] // block_kv
+  q_BxKxRxD = q_BxTxHxD.reshape(b, t, n_kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, n_kv, r, d)
+  pos = q_pos_BxT.astype(jnp.int32)
+  pos_BxR, last_B = jnp.repeat(pos, g, axis=1), jnp.max(pos, axis=1)
+  qk_scale = jnp.asarray(qk_scale, jnp.float32)
+  kb, vb = (x.reshape(b, nb, block_kv, n_kv, d).transpose(1, 0, 3, 2, 4) for x in (k, v))  # (Nb, B, K, bk, D)
+  if tiled:
+    m, l, acc = _attend_rows_tiled(q_BxKxRxD, kb, vb, pos_BxR, last_B, qk_scale, g)
+  else:
+    m, l, acc = _attend_rows(q_BxKxRxD, kb, vb, pos_BxR[:, None], last_B[:, None], qk_scale)
+  return _finish(m, l, acc, v_scale, q_BxTxHxD.dtype, b, t, h, g)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _reference_cpu(q, k, v, pos, qk_scale, v_scale, block_kv):
+  return _reference(q, k, v, pos, qk_scale, v_scale, block_kv, tiled=True)
+
+
+def _reference_cpu_fwd(q, k, v, pos, qk_scale, v_scale, block_kv):
+  return _reference_cpu(q, k, v, pos, qk_scale, v_scale, block_kv), (q, k, v, pos, qk_scale, v_scale)
+
+
+def _reference_cpu_bwd(block_kv, res, cts):
+  q, k, v, pos, qk_scale, v_scale = res
+  _, vjp = jax.vjp(lambda q, k, v, a, c: _reference(q, k, v, pos, a, c, block_kv, tiled=False), q, k, v, qk_scale,
+                   v_scale)
+  return (*vjp(cts)[:3], None, *vjp(cts)[3:])
+
+
+_reference_cpu.defvjp(_reference_cpu_fwd, _reference_cpu_bwd)
+
+
+def attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, *, block_kv: int | None = None):
+  """The contract in plain jnp (module docstring) -> (out_BxTxHxD in q's dtype, lse_BxHxT FP32 in log2 units).
+
+  Rows are the (position, head) pairs of each (sequence, key/value head). On GPUs (where the kernels provide the
+  invariance) all rows are vectorized over 128-key blocks. On XLA:CPU, the exactness backend, the forward computes
+  every row with one fixed-shape ``lax.map`` body (``_attend_rows_tiled``) over CPU_BLOCK_KV-key blocks, so that a
+  row gets the same bits whatever the batch, the number of rows or the key length: decode rows equal training rows
+  (tests/test_attention.py). Vectorized over all rows, XLA:CPU picks its code by the whole shape (seen: one row in
+  ~90k a BF16 ulp off, a 4 x 700 batch); letting producers fuse into the reductions changes their rounding per fusion
+  (seen: 40% of a 3-layer model's hidden values). The smaller CPU block keeps the tiny configs' short sequences
+  cheap (16 of 128 keys would be padding); the contract asks for a fixed block, not for 128. Differentiable: the
+  gradient is JAX autodiff of the vectorized math (on CPU through a custom VJP), the independent reference for the
+  kernels' backward pass. It keeps each block's scores for the backward, so it is for tests, CPU runs and fallbacks,
+  not for 4096-token training on a GPU.
+  """
+  check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT)
+  block_kv = block_kv or key_block()
+  if jax.default_backend() != "cpu":
+    return _reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, block_kv, tiled=False)
+  return _reference_cpu(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT.astype(jnp.int32), jnp.asarray(qk_scale, jnp.float32),
+                        jnp.asarray(v_scale, jnp.float32), block_kv)
 
 
 def attention_dense(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale):

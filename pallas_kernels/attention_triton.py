@@ -196,7 +196,7 @@ def attention_seq(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale,
   g = h // k_BxSxKxD.shape[2]
   q = _pad_rows(q_BxTxHxD, 1, BLOCK_KV)
   pos = _pad_rows(q_pos_BxT.astype(jnp.int32), 1, BLOCK_KV, -1)
-  k, v = pad_keys(k_BxSxKxD), pad_keys(v_BxSxKxD)
+  k, v = pad_keys(k_BxSxKxD, BLOCK_KV), pad_keys(v_BxSxKxD, BLOCK_KV)
   tp = q.shape[1]
   out, lse = pl.pallas_call(
       functools.partial(_seq_fwd_kernel, g=g, n_kb=k.shape[1] // BLOCK_KV, bq=config.block_q),
@@ -219,7 +219,7 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, *
   q = _pad_rows(q_BxHxD.reshape(b, n_kv, g, d), 2, config.decode_block_q)
   r = q.shape[2]
   pos = jnp.where(jnp.arange(r) < g, q_pos_B.astype(jnp.int32)[:, None], -1)
-  k, v = pad_keys(k_BxSxKxD), pad_keys(v_BxSxKxD)
+  k, v = pad_keys(k_BxSxKxD, BLOCK_KV), pad_keys(v_BxSxKxD, BLOCK_KV)
   out = pl.pallas_call(
       functools.partial(_heads_fwd_kernel, n_kb=k.shape[1] // BLOCK_KV, bq=config.decode_block_q),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -312,7 +312,7 @@ def attention_seq_bwd(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_sc
   q, do = (_pad_rows(x, 1, BLOCK_KV) for x in (q_BxTxHxD, do_BxTxHxD))
   pos = _pad_rows(q_pos_BxT.astype(jnp.int32), 1, BLOCK_KV, -1)
   lse, delta = (_pad_rows(x, 2, BLOCK_KV) for x in (lse_BxHxT, delta))
-  k, v = pad_keys(k_BxSxKxD), pad_keys(v_BxSxKxD)
+  k, v = pad_keys(k_BxSxKxD, BLOCK_KV), pad_keys(v_BxSxKxD, BLOCK_KV)
   tp, sp = q.shape[1], k.shape[1]
   ln_scale = jnp.asarray(qk_scale, jnp.float32) * jnp.float32(1 / 1.4426950408889634)
   sc = jnp.stack([jnp.asarray(qk_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32), ln_scale])
