@@ -2,11 +2,12 @@
 
 Run:      bash scripts/setup.sh && .venv/bin/python scripts/train.py --config=configs/tiny_fp8.py
 Hardware: any CPU (2 cores are enough); the FP8 GEMMs run on the exact XLA reference there.
-Task:     two-digit addition, answer written least-significant digit first ("37+48=" -> "58"), character tokens.
-Runtime:  about 3 minutes on 2 CPU cores: 500 warm-start steps (~40 s), 300 GRPO steps (~0.4 s each).
-Result:   greedy validation accuracy on 256 held-out problems 0.465 after the warm-start -> 0.875 after GRPO on one
-          Intel machine (2026-11-30), 0.754 -> 0.910 on an AMD one (2026-12-01): XLA:CPU rounds differently per CPU,
-          so the curve differs by machine (README "Tiny default: measured").
+Task:     two-digit addition, operands zero-padded, answer least-significant digit first ("07+68=" -> "57"),
+          character tokens.
+Runtime:  about 5.5 minutes on 2 CPU cores: 300 warm-start steps (~1 min), 200 GRPO steps (~1.2 s each).
+Result:   greedy validation accuracy on 256 held-out problems 0.785 after the warm-start -> 0.992 after GRPO on one
+          AMD EPYC machine (2026-12-01). XLA:CPU rounds differently per CPU, so the curve differs by machine
+          (README "Tiny default: measured").
 """
 
 import ml_collections
@@ -19,10 +20,14 @@ def get_config(arg=None):
   c.task = "arithmetic"  # "arithmetic" (embedded, no download) | "math" (jsonl/parquet prompts, math-verify reward)
   c.workdir = "runs/tiny_fp8"
 
-  # Model: ~1.2M parameters, every linear dim a multiple of 128 (FP8 blocks need no padding).
+  # Model: ~1.4M parameters, every linear dim a multiple of 128 (FP8 blocks need no padding). 8 heads of 32 with
+  # QK-norm: the warm start leaves its loss plateau (~1.3) after 150-300 steps on every seed tried (0-4); with 2 heads
+  # of 128 and no QK-norm it stayed there for 600+ steps on most seeds (an independent plain-JAX FP32 model of that
+  # shape too, so the plateau is the task's, not FP8's). head_dim 32 is below what the Pallas attention kernels take
+  # (64, 128): on a GPU this config's attention runs the reference, with a logged warning (ops.backend_report()).
   c.model = ml_collections.ConfigDict(dict(
-      vocab_size=128, dim=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=128, ffn_dim=512,
-      norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_embeddings=False, qk_norm=False, max_seq_len=64,
+      vocab_size=128, dim=256, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=32, ffn_dim=512,
+      norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_embeddings=False, qk_norm=True, max_seq_len=64,
       dtype="bfloat16", remat=False,
       attn_backend="auto"))  # fp8jax.attention: "auto" (Pallas kernels on a CUDA GPU, else the reference) | "xla" | "pallas"
 
@@ -31,8 +36,9 @@ def get_config(arg=None):
       mode="fp8", keep_first_n=0, keep_last_n=0, keep_patterns=(), pow2_scales=False, kv_cache="fp8",
       gemm_backend="auto", quantize_lm_head=False))
 
-  # Level 5 of fp8jax.rl.tasks.DIFFICULTY: a+b with a, b <= 99, answer reversed (learnable by a tiny model).
-  c.arithmetic = ml_collections.ConfigDict(dict(difficulty=5, num_val=256))
+  # Level 6 of fp8jax.rl.tasks.DIFFICULTY: a+b with a, b <= 99 written zero-padded ("07+48="), answer least-significant
+  # digit first ("58").
+  c.arithmetic = ml_collections.ConfigDict(dict(difficulty=6, num_val=256))
 
   c.data = ml_collections.ConfigDict(dict(  # used when task == "math"
       path="", prompt_field="problem", answer_field="expected_answer", template="{prompt}", val_size=256,
@@ -65,11 +71,11 @@ def get_config(arg=None):
       schedule="constant", warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, b1=0.9, b2=0.99, eps=1e-8,
       grad_clip=1.0))
 
-  # Supervised warm-start: the loss plateaus near 1.3 and drops after ~300-500 steps (BF16 ~100 steps later than FP8);
-  # 500 steps get both recipes past it, so GRPO starts from a model that sometimes answers right.
-  c.warmstart = ml_collections.ConfigDict(dict(steps=500, batch=64, lr=1e-3))
+  # Supervised warm-start: 300 steps leave the loss plateau on every seed tried and stop well short of perfect
+  # (greedy accuracy ~0.8), so GRPO has errors left to remove.
+  c.warmstart = ml_collections.ConfigDict(dict(steps=300, batch=64, lr=1e-3))
 
-  c.train = ml_collections.ConfigDict(dict(steps=300, val_every=50, val_prompts=256))
+  c.train = ml_collections.ConfigDict(dict(steps=200, val_every=50, val_prompts=256))
   c.checkpoint = ml_collections.ConfigDict(dict(every=100, keep=2, hf_dir="", resume=True))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))  # -1: all remaining devices
   return c

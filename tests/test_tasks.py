@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -74,7 +75,7 @@ class TestArithmeticTask:
       for p, a in zip(prompts, answers):
         assert p.endswith("=")
         value = int(a[::-1]) if rev else int(a)
-        assert eval(p[:-1]) == value  # noqa: S307
+        assert eval(re.sub(r"\b0+(?=\d)", "", p[:-1])) == value  # noqa: S307 (zero-padded operands: "07+48")
         assert value >= 0
         assert task.reward(a, a) == 1.0
         wrong = str(value + 1)[::-1] if rev else str(value + 1)
@@ -89,6 +90,16 @@ class TestArithmeticTask:
     # 37 + 48 = 85 is written "58"; 40 + 30 = 70 is "07", and "7" (which is 7, not 70) must not count
     assert task.reward("58", "58") == 1.0 and task.reward("85", "58") == 0.0
     assert task.reward("07", "07") == 1.0 and task.reward("7", "07") == 0.0
+
+  def test_padded_operands_sit_at_fixed_offsets(self):
+    task = tasks.ArithmeticTask(seed=0, difficulty=6)
+    prompts, answers = task.sample(200)
+    for p, a in zip(prompts, answers):
+      assert re.fullmatch(r"\d\d\+\d\d=", p), p
+      x, y = int(p[:2]), int(p[3:5])
+      assert a == str(x + y)[::-1]  # the answer is not padded: 07 + 02 = 9 is "9"
+    assert any(p[0] == "0" for p in prompts) and any(p[3] == "0" for p in prompts)
+    assert len(task.tokenizer.encode(prompts[0], add_bos=True)) == task.max_prompt_len
 
   def test_answers_are_short(self):
     task = tasks.ArithmeticTask(seed=0, difficulty=1)

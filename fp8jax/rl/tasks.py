@@ -93,7 +93,9 @@ class ArithmeticSpec:
   redrawn, so answers are plain digit strings. With ``reverse_answer=True`` the answer is written least-significant
   digit first ("37+48=" -> "58"): each output digit then depends only on aligned input digits and the carry just
   written, which small transformers learn far faster (Lee et al. 2023, "Teaching Arithmetic to Small
-  Transformers", sec. 4); the reward then compares the digit strings exactly."""
+  Transformers", sec. 4); the reward then compares the digit strings exactly. With ``pad_operands=True`` every
+  operand is written zero-padded to the width of ``max_operand`` ("07+48="), so the digits an output digit depends
+  on sit at the same offsets in every problem; the answer keeps its plain digits."""
 
   min_operands: int = 2
   max_operands: int = 2
@@ -101,6 +103,7 @@ class ArithmeticSpec:
   ops: str = "+"
   allow_negative: bool = False
   reverse_answer: bool = False
+  pad_operands: bool = False
 
   def __post_init__(self):
     if not 2 <= self.min_operands <= self.max_operands:
@@ -124,7 +127,7 @@ class ArithmeticSpec:
     return sum(v**k * o ** (k - 1) for k in range(self.min_operands, self.max_operands + 1))
 
 
-# Named levels. 1 is the suggested tiny default: two 2-digit addends, answers up to 198 (1-3 digits), 10^4 problems.
+# Named levels. 6 is the tiny default's (configs/tiny_fp8.py): two 2-digit addends, answers up to 198, 10^4 problems.
 DIFFICULTY: dict[int, ArithmeticSpec] = {
     0: ArithmeticSpec(2, 2, 9, "+"),         # a+b, one digit each: 100 problems, answers 0..18
     1: ArithmeticSpec(2, 2, 99, "+"),        # a+b, up to two digits
@@ -132,6 +135,7 @@ DIFFICULTY: dict[int, ArithmeticSpec] = {
     3: ArithmeticSpec(2, 3, 99, "+-"),       # with subtraction (non-negative results)
     4: ArithmeticSpec(2, 3, 20, "+-*"),      # with multiplication and precedence
     5: ArithmeticSpec(2, 2, 99, "+", reverse_answer=True),  # level 1, answer least-significant digit first
+    6: ArithmeticSpec(2, 2, 99, "+", reverse_answer=True, pad_operands=True),  # level 5, operands zero-padded
 }
 
 
@@ -213,7 +217,8 @@ class ArithmeticTask:
       value = evaluate(operands, ops)
       if value < 0 and not s.allow_negative:
         continue
-      prompt = "".join(f"{x}{op}" for x, op in zip(operands, ops + ["="]))
+      width = len(str(s.max_operand)) if s.pad_operands else 0
+      prompt = "".join(f"{x:0{width}d}{op}" for x, op in zip(operands, ops + ["="]))
       return prompt, str(value)[::-1] if s.reverse_answer else str(value)
 
   def _draw_validation(self, n: int) -> tuple[list[str], list[str]]:
