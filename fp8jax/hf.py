@@ -40,8 +40,9 @@ import ml_dtypes
 import numpy as np
 
 from fp8jax import ops, quant
-from fp8jax.model import llama
+from fp8jax.model import llama, schema
 from fp8jax.model.config import ModelConfig
+from fp8jax.model.layers import rope_inv_freq
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +55,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.json", "tokenizer.model", "added_tokens.json", "generation_config.json")
 
 # fp8jax layer param -> HF module inside "model.layers.{i}." (a linear's tensor is "<module>.weight").
-HF_LAYER_MODULES = {
-    "wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
-    "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
-    "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
-}
-HF_TOP_MODULES = {"embed": "model.embed_tokens", "final_norm": "model.norm", "lm_head": "lm_head"}
+HF_LAYER_MODULES = schema.HF_LAYER_MODULES  # fp8jax key -> transformers module (fp8jax.model.schema)
+HF_TOP_MODULES = schema.HF_TOP_MODULES
 # Tensors some checkpoints carry that are not parameters (recomputed buffers); skipped on load.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -721,20 +717,18 @@ def _warn_mixed_fused(not_converted: list[str], cfg: ModelConfig):
 def residual_stream(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.LinearConfig()):
   """Hidden states like transformers' ``output_hidden_states``: [embeddings, after layer 0, ..., after layer L-1].
 
-  Runs the layer loop of ``llama.forward`` (full sequence, no cache) with the model's own ``attention``, ``mlp``
-  and ``rms_norm``; ``rms_norm(out[-1], final_norm)`` equals ``forward``'s hidden (tests check it bit for bit).
+  Runs ``llama.forward``'s layer loop (full sequence, no cache) through the same ``llama.decoder_layer``;
+  ``rms_norm(out[-1], final_norm)`` equals ``forward``'s hidden (tests check it bit for bit).
   """
   b, t = tokens_BxT.shape
   positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   lcfg = dataclasses.replace(lcfg, out_dtype=cfg.dtype)
   x = params["embed"].astype(jnp.dtype(cfg.dtype))[tokens_BxT]
-  inv_freq = llama.rope_inv_freq(cfg)
+  inv_freq = rope_inv_freq(cfg)
   out = [x]
   for i, p in enumerate(params["layers"]):
-    h, _, _ = llama.attention(p, llama.rms_norm(x, p["attn_norm"], cfg.norm_eps), positions_BxT, cfg, lcfg,
-                              inv_freq, layer=i, cache=None, kv_scales=None)
-    x = x + h
-    x = x + llama.mlp(p, llama.rms_norm(x, p["mlp_norm"], cfg.norm_eps), lcfg)
+    x, _, _ = llama.decoder_layer(p, x, positions_BxT, cfg, lcfg, inv_freq, layer=i, cache=None, kv_scales=None,
+                                  own_positions=True)
     out.append(x)
   return out
 

@@ -45,6 +45,7 @@ import numpy as np
 from jax import lax
 
 from fp8jax.config_utils import dataclass_from_group
+from fp8jax.model import schema
 
 FP8_DTYPE = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -255,7 +256,7 @@ class Recipe:
 
 
 # Linear weights of the model (the names used in fp8jax.model params); everything else stays BF16/FP32.
-LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+LINEAR_NAMES = schema.LINEAR_NAMES  # the layer weights the recipe may quantize (lm_head: Recipe.quantize_lm_head)
 
 
 def _walk_linear(params: dict, recipe: Recipe, fn):

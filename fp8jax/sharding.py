@@ -2,7 +2,8 @@
 
 Mesh axes: ``data`` (pure data parallel), ``fsdp`` (data parallel with parameters and optimizer state sharded),
 ``tensor`` (Megatron-style tensor parallel). Rules are keyed by the parameter's leaf name, so the same rules
-serve master params, their optimizer moments (optax keeps trees of the same structure) and quantized weights:
+serve master params, their optimizer moments (optax keeps trees of the same structure) and quantized weights.
+They come from the parameter schema (``fp8jax.model.schema``: each parameter's axes); for the dense decoder:
 
   wq, wk, wv, w_gate, w_up (out, in):  out over tensor, in over fsdp  (column parallel)
   wo, w_down              (out, in):   out over fsdp,  in over tensor (row parallel)
@@ -21,13 +22,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fp8jax.model import schema
+
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the axes that shard a batch's first (token / sequence) dimension
-_RULES = {
-    "wq": ("tensor", "fsdp"), "wk": ("tensor", "fsdp"), "wv": ("tensor", "fsdp"), "w_gate": ("tensor", "fsdp"),
-    "w_up": ("tensor", "fsdp"), "wo": ("fsdp", "tensor"), "w_down": ("fsdp", "tensor"),
-    "embed": ("tensor", "fsdp"), "lm_head": ("tensor", "fsdp"),
-}
+_RULES = schema.SHARDING_RULES  # leaf name -> mesh axis per dimension (fp8jax.model.schema)
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
@@ -63,7 +62,7 @@ def _is_scale(path) -> bool:
 def spec_for(path, shape, mesh: Mesh) -> P:
   """PartitionSpec of one leaf (see module docstring)."""
   rule = _RULES.get(_leaf_name(path))
-  if rule is None or len(shape) != 2 or _is_scale(path):
+  if rule is None or len(shape) != len(rule) or _is_scale(path):
     return P()
   return P(*[ax if shape[i] % mesh.shape[ax] == 0 else None for i, ax in enumerate(rule)])
 

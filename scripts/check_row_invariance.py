@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from fp8jax import attention as attn  # noqa: E402
 from fp8jax import kvcache, ops, quant  # noqa: E402
-from fp8jax.model import llama  # noqa: E402
+from fp8jax.model import layers, llama  # noqa: E402
 from fp8jax.model.config import ModelConfig  # noqa: E402
 
 M_DECODE = 64
@@ -41,11 +41,11 @@ def _ops(d: int, vocab: int):
   w_fp8 = quant.quantize_weight(0.02 * jax.random.normal(jax.random.fold_in(k, 2), (3 * d, d), jnp.float32))
   cfg = ModelConfig(vocab_size=vocab, dim=d, n_layers=1, n_heads=d // 128, n_kv_heads=max(1, d // 512),
                     head_dim=128, ffn_dim=4 * d, rope_theta=500000.0, rope_scaling=(8.0, 1.0, 4.0, 8192))
-  inv = llama.rope_inv_freq(cfg)
+  inv = layers.rope_inv_freq(cfg)
   bf = jnp.bfloat16
   return {
-      "rms_norm": (lambda x: llama.rms_norm(x, norm_w, 1e-5), [((d,), bf)]),
-      "rope (positions as rows)": (lambda x, p: llama.apply_rope(x[:, None], p[:, None], inv)[:, 0],
+      "rms_norm": (lambda x: layers.rms_norm(x, norm_w, 1e-5), [((d,), bf)]),
+      "rope (positions as rows)": (lambda x, p: layers.apply_rope(x[:, None], p[:, None], inv)[:, 0],
                                    [((cfg.n_heads, 128), bf), ((), jnp.int32)]),
       "silu(gate) * up": (lambda g, u: (jax.nn.silu(g.astype(jnp.float32)).astype(bf) * u), [((4 * d,), bf)] * 2),
       "linear bf16 (lm_head)": (lambda x: ops.linear(x, head, ops.LinearConfig(out_dtype="float32")),

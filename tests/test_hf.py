@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from fp8jax import hf, ops, quant
-from fp8jax.model import llama
+from fp8jax.model import layers, llama
+from fp8jax.model.config import ModelConfig
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -77,6 +78,22 @@ def test_config(dirs):
   assert q.qk_norm and q.tie_embeddings and q.rope_scaling is None and q.rope_theta == 1e6 and q.norm_eps == 1e-6
 
 
+@pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen3", True), ("qwen3", False)])
+def test_schema_names_and_shapes_are_transformers_own(arch, tie):
+  """The parameter schema's HF names and shapes (fp8jax.model.schema) are exactly transformers' state dict."""
+  kw = dict(vocab_size=160, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, tie_word_embeddings=tie)
+  c = transformers.LlamaConfig(**kw) if arch == "llama" else transformers.Qwen3Config(**kw)
+  model = (transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen3ForCausalLM)(c)
+  theirs = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+  if tie:
+    theirs.pop("lm_head.weight", None)  # the tied head is the embedding (not a tensor of its own on disk)
+  cfg = ModelConfig(vocab_size=160, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=192,
+                    tie_embeddings=tie, qk_norm=arch == "qwen3")
+  ours = dict(hf.hf_param_names(cfg).values())
+  assert ours == theirs
+
+
 def test_legacy_rope_scaling_keys(dirs, tmp_path):
   """transformers < 5 writes rope_scaling + rope_theta instead of rope_parameters."""
   shutil.copytree(dirs["llama"], tmp_path / "m")
@@ -112,7 +129,7 @@ def test_bf16_logits_match_transformers(arch, dirs, loaded):
   # The residual-stream helper runs the model's own layers: its last state, normed, is forward's hidden exactly.
   lcfg = ops.LinearConfig.from_recipe(BF16)
   hidden = jax.jit(lambda p, t: llama.forward(p, t, cfg, lcfg)[0])(params, toks)
-  normed = jax.jit(lambda p, t: llama.rms_norm(hf.residual_stream(p, t, cfg, lcfg)[-1], p["final_norm"],
+  normed = jax.jit(lambda p, t: layers.rms_norm(hf.residual_stream(p, t, cfg, lcfg)[-1], p["final_norm"],
                                                cfg.norm_eps))(params, toks)
   np.testing.assert_array_equal(np.asarray(hidden, np.float32), np.asarray(normed, np.float32))
 

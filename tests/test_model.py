@@ -9,7 +9,7 @@ import pytest
 
 from fp8jax import kvcache, ops, quant
 from fp8jax.model import ModelConfig, forward, init_params, logits, num_params
-from fp8jax.model import llama
+from fp8jax.model import layers
 
 CFG = ModelConfig(vocab_size=256, dim=256, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512,
                   rope_scaling=(8.0, 1.0, 4.0, 64))
@@ -29,6 +29,12 @@ def tokens(b, t, seed=1):
 def fwd_logits(p, toks):
   h, _, _ = forward(p, toks, CFG)
   return logits(p, h, CFG)
+
+
+def test_param_count_of_llama_3_1_8b():
+  """The schema's count against the published one (Llama-3.1-8B's safetensors hold 8,030,261,248 values)."""
+  cfg = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336)
+  assert num_params(cfg) == 8_030_261_248
 
 
 def test_shapes_param_count_and_determinism(params):
@@ -119,7 +125,7 @@ def test_training_forward_equals_sampling_forward_bitwise(params):
 
 def test_rope_llama3_scaling_matches_formula():
   """Independent NumPy evaluation of HF's llama3 rope-scaling rule."""
-  inv = np.asarray(llama.rope_inv_freq(CFG), np.float64)
+  inv = np.asarray(layers.rope_inv_freq(CFG), np.float64)
   base = 1.0 / (CFG.rope_theta ** (np.arange(0, 64, 2) / 64))
   factor, low, high, old = CFG.rope_scaling
   expected = []
@@ -172,7 +178,7 @@ def test_rms_norm_is_the_plain_formula_bitwise_where_it_cannot_overflow(dtype):
     for scale in (1e-3, 1.0, 1e6, 1e12):  # 1e12 * e^(3 sigma) stays below 2**48
       x = jnp.asarray(rng.standard_normal(shape) * scale * np.exp(rng.standard_normal((*shape[:-1], 1))), dtype)
       w = jnp.asarray(1 + 0.1 * rng.standard_normal(shape[-1]), jnp.float32)
-      got = fp8jax.jit(llama.rms_norm, static_argnums=2)(x, w, 1e-5)
+      got = fp8jax.jit(layers.rms_norm, static_argnums=2)(x, w, 1e-5)
       ref = fp8jax.jit(_plain_rms_norm, static_argnums=2)(x, w, 1e-5)
       np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(ref).view(np.uint8))
 
@@ -187,9 +193,9 @@ def test_rms_norm_does_not_overflow_where_values_are_finite():
     x = jnp.asarray(x_small * np.float32(2.0**k))
     if k >= 64:  # x^2 > 2**128: the plain formula's hidden state is exactly 0
       assert not np.any(np.asarray(_plain_rms_norm(x, jnp.ones(256), 1e-5)))
-    got = np.asarray(llama.rms_norm(x, jnp.ones(256), 1e-5))
+    got = np.asarray(layers.rms_norm(x, jnp.ones(256), 1e-5))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
   # Non-finite rows stay non-finite (nothing is hidden); the other rows are unaffected.
   x = jnp.asarray(x_small[:2]).at[0, 3].set(jnp.nan)
-  got = np.asarray(llama.rms_norm(x, jnp.ones(256), 1e-5))
+  got = np.asarray(layers.rms_norm(x, jnp.ones(256), 1e-5))
   assert np.all(np.isnan(got[0])) and np.all(np.isfinite(got[1]))

@@ -1,8 +1,21 @@
-"""The model function (Llama-3.x / Qwen3 dense) and its config."""
+"""The model function (Llama-3.x / Qwen3 dense), its config and its parameter schema.
 
-from fp8jax.model.config import ModelConfig, num_params
-from fp8jax.model.llama import (ForwardAux, forward, init_params, logits, next_token_logprobs, param_shapes,
-                                token_entropy, token_logprobs)
+The names below are imported on first use (PEP 562), so ``fp8jax.model.schema``, which ``quant`` and ``sharding``
+import, does not pull in the model code (and its imports of ``quant``) while those modules are being initialized.
+"""
 
-__all__ = ["ModelConfig", "num_params", "ForwardAux", "forward", "init_params", "logits", "next_token_logprobs",
-           "param_shapes", "token_entropy", "token_logprobs"]
+import importlib as _importlib
+
+_EXPORTS = {
+    "ModelConfig": "config", "num_params": "schema", "param_shapes": "schema", "ForwardAux": "llama",
+    "forward": "llama", "init_params": "llama", "logits": "llama", "next_token_logprobs": "llama",
+    "token_entropy": "llama", "token_logprobs": "llama",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+  if name in _EXPORTS:
+    return getattr(_importlib.import_module(f"fp8jax.model.{_EXPORTS[name]}"), name)
+  raise AttributeError(f"module 'fp8jax.model' has no attribute {name!r}")

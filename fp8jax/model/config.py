@@ -60,12 +60,3 @@ class ModelConfig:
   @classmethod
   def from_config(cls, c: Any) -> "ModelConfig":
     return dataclass_from_group(cls, c, "model")
-
-
-def num_params(cfg: ModelConfig) -> int:
-  """Parameter count of the decoder (embedding and, if untied, the output head included)."""
-  attn = cfg.dim * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.dim
-  mlp = 3 * cfg.dim * cfg.ffn_dim
-  norms = 2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0)
-  emb = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
-  return cfg.n_layers * (attn + mlp + norms) + cfg.dim + emb

@@ -1,0 +1,56 @@
+"""The GQA attention block (Llama-3.x, Qwen3): projections, optional QK-norm, RoPE, the attention op, KV cache."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from fp8jax import attention as attn
+from fp8jax import kvcache as kvc
+from fp8jax import ops
+from fp8jax.model.config import ModelConfig
+from fp8jax.model.layers import apply_rope, rms_norm
+
+
+def _amax(x):
+  return jnp.max(jnp.abs(x.astype(jnp.float32)))
+
+
+def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, layer: int, cache, kv_scales,
+              own_positions: bool = False):
+  """GQA attention (``fp8jax.attention.attend``). Returns (out, new cache layer (k, v) or None, (amax K, amax V)).
+
+  ``own_positions``: no cache and the positions are 0..T-1 (the training form, differentiable on every backend).
+  """
+  b, t, _ = x_BxTxD.shape
+  hq, hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  q = ops.linear(x_BxTxD, p["wq"], lcfg).reshape(b, t, hq, hd)
+  k = ops.linear(x_BxTxD, p["wk"], lcfg).reshape(b, t, hkv, hd)
+  v = ops.linear(x_BxTxD, p["wv"], lcfg).reshape(b, t, hkv, hd)
+  if cfg.qk_norm:
+    q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
+  q, k = apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq)
+  amax = (_amax(k), _amax(v))
+
+  # K/V enter attention as (codes, scale): BF16 values with scale 1, or FP8 E4M3 codes whose per-layer scales
+  # multiply the FP32 scores / outputs after the dots. The trainer (kv_scales: the codes as BF16 values) and the
+  # sampler (the FP8 cache, read as FP8: half the bytes) run the same attention op on the same codes.
+  new_layer = None
+  if cache is None:
+    sk = sv = None
+    if kv_scales is not None:  # training with an FP8 rollout cache: the same quantization, straight-through
+      sk, sv = kv_scales[0][layer], kv_scales[1][layer]
+      k, v = kvc.kv_codes(k, sk), kvc.kv_codes(v, sv)
+    out = attn.attend(q, k, v, None if own_positions else positions_BxT, k_scale=sk, v_scale=sv,
+                      backend=cfg.attn_backend, mesh=lcfg.mesh)
+  else:
+    ck, cv = cache.k[layer], cache.v[layer]
+    sk = sv = None
+    if cache.is_fp8:
+      sk, sv = cache.k_scale_L[layer], cache.v_scale_L[layer]
+      ck = kvc.write(ck, kvc.quantize_kv(k, sk), positions_BxT)
+      cv = kvc.write(cv, kvc.quantize_kv(v, sv), positions_BxT)
+    else:
+      ck, cv = kvc.write(ck, k, positions_BxT), kvc.write(cv, v, positions_BxT)
+    new_layer = (ck, cv)
+    out = attn.attend(q, ck, cv, positions_BxT, k_scale=sk, v_scale=sv, backend=cfg.attn_backend, mesh=lcfg.mesh)
+  return ops.linear(out.reshape(b, t, hq * hd), p["wo"], lcfg), new_layer, amax

@@ -1,0 +1,114 @@
+"""The parameter schema: every parameter of the decoder written once, with everything the code derives from it.
+
+A row (``Param``) gives a parameter's key, its shape as a function of the ``ModelConfig``, the mesh axis each of its
+dimensions is sharded over, its Hugging Face module, whether it is a linear weight (stored (out, in), the operand
+of ``ops.linear``, selectable by the FP8 recipe) and how it is initialized. From these rows come
+
+  * ``param_shapes`` (init, checkpoints, HF import/export): ``model.param_shapes``;
+  * ``LINEAR_NAMES`` (what ``quant.quantize_params`` and the trainer's FP8 forward may quantize);
+  * ``SHARDING_RULES`` (``fp8jax.sharding``: master weights, optimizer moments and quantized weights alike);
+  * ``HF_LAYER_MODULES`` / ``HF_TOP_MODULES`` (``fp8jax.hf``: the transformers names, ``.weight`` appended).
+
+A new block (MoE experts, MLA) adds rows here; no other module spells the layout. This module imports nothing
+from fp8jax (``quant`` and ``sharding`` import it), and takes the config only as an argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+  from fp8jax.model.config import ModelConfig
+
+# Mesh axes of fp8jax.sharding (kept as strings here so this module stays import-free).
+TENSOR, FSDP = "tensor", "fsdp"
+COLUMN = (TENSOR, FSDP)  # (out, in): output features over tensor, input over fsdp (column parallel)
+ROW = (FSDP, TENSOR)  # (out, in): output over fsdp, input features over tensor (row parallel)
+REPLICATED = None
+
+INITS = ("ones", "normal", "normal_residual")
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+  """One parameter. ``axes``: a mesh axis (or None) per dimension, or ``REPLICATED``. ``init``: "ones" (norm
+  weights), "normal" (N(0, std)) or "normal_residual" (N(0, std / sqrt(2 L)): projections that write into the
+  residual stream). ``present``: whether a config has this parameter (e.g. q_norm only with qk_norm)."""
+
+  key: str
+  shape: Callable[[ModelConfig], tuple[int, ...]]
+  axes: tuple[str | None, ...] | None
+  hf: str
+  linear: bool = False
+  init: str = "normal"
+  present: Callable[[ModelConfig], bool] = lambda cfg: True
+
+  def __post_init__(self):
+    if self.init not in INITS:
+      raise ValueError(f"schema: {self.key}: init={self.init!r} is not one of {INITS}")
+
+
+def _vec(dim: str) -> Callable[[ModelConfig], tuple[int, ...]]:
+  return lambda c: (getattr(c, dim),)
+
+
+def _mat(out: str, inp: str) -> Callable[[ModelConfig], tuple[int, ...]]:
+  return lambda c: (getattr(c, out), getattr(c, inp))
+
+
+def _has_qk_norm(c: ModelConfig) -> bool:
+  return c.qk_norm
+
+
+def _untied(c: ModelConfig) -> bool:
+  return not c.tie_embeddings
+
+
+# One decoder layer (``params["layers"][i]``): GQA attention and the dense SwiGLU MLP (Llama-3.x, Qwen3 dense).
+LAYER: tuple[Param, ...] = (
+    Param("attn_norm", _vec("dim"), REPLICATED, "input_layernorm", init="ones"),
+    Param("wq", _mat("q_dim", "dim"), COLUMN, "self_attn.q_proj", linear=True),
+    Param("wk", _mat("kv_dim", "dim"), COLUMN, "self_attn.k_proj", linear=True),
+    Param("wv", _mat("kv_dim", "dim"), COLUMN, "self_attn.v_proj", linear=True),
+    Param("wo", _mat("dim", "q_dim"), ROW, "self_attn.o_proj", linear=True, init="normal_residual"),
+    Param("q_norm", _vec("head_dim"), REPLICATED, "self_attn.q_norm", init="ones", present=_has_qk_norm),
+    Param("k_norm", _vec("head_dim"), REPLICATED, "self_attn.k_norm", init="ones", present=_has_qk_norm),
+    Param("mlp_norm", _vec("dim"), REPLICATED, "post_attention_layernorm", init="ones"),
+    Param("w_gate", _mat("ffn_dim", "dim"), COLUMN, "mlp.gate_proj", linear=True),
+    Param("w_up", _mat("ffn_dim", "dim"), COLUMN, "mlp.up_proj", linear=True),
+    Param("w_down", _mat("dim", "ffn_dim"), ROW, "mlp.down_proj", linear=True, init="normal_residual"),
+)
+
+# Outside the layers. lm_head is a linear weight too, but the recipe selects it on its own (Recipe.quantize_lm_head).
+TOP: tuple[Param, ...] = (
+    Param("embed", _mat("vocab_size", "dim"), COLUMN, "model.embed_tokens"),
+    Param("final_norm", _vec("dim"), REPLICATED, "model.norm", init="ones"),
+    Param("lm_head", _mat("vocab_size", "dim"), COLUMN, "lm_head", linear=True, present=_untied),
+)
+
+BY_KEY: dict[str, Param] = {p.key: p for p in (*LAYER, *TOP)}
+if len(BY_KEY) != len(LAYER) + len(TOP):
+  raise ValueError("schema: parameter keys must be unique across LAYER and TOP")
+
+LINEAR_NAMES: tuple[str, ...] = tuple(p.key for p in LAYER if p.linear)
+SHARDING_RULES: dict[str, tuple[str | None, ...]] = {p.key: p.axes for p in BY_KEY.values() if p.axes}
+HF_LAYER_MODULES: dict[str, str] = {p.key: p.hf for p in LAYER}
+HF_TOP_MODULES: dict[str, str] = {p.key: p.hf for p in TOP}
+
+
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  return {p.key: tuple(p.shape(cfg)) for p in LAYER if p.present(cfg)}
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+  """Shapes of every parameter: the params pytree with shape tuples as leaves."""
+  top = {p.key: tuple(p.shape(cfg)) for p in TOP if p.present(cfg)}
+  return {"embed": top.pop("embed"), "layers": [layer_shapes(cfg) for _ in range(cfg.n_layers)], **top}
+
+
+def num_params(cfg: ModelConfig) -> int:
+  """Parameter count (embedding and, if untied, the output head included)."""
+  top = sum(math.prod(p.shape(cfg)) for p in TOP if p.present(cfg))
+  return top + cfg.n_layers * sum(math.prod(s) for s in layer_shapes(cfg).values())
