@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from fp8jax import quant, sharding
 from pallas_kernels import fp8_gemm as fp8_gemm_ref
+from pallas_kernels import grouped_gemm as grouped_ref
 
 log = logging.getLogger(__name__)
 
@@ -278,3 +279,150 @@ def linear(x: jax.Array, w, cfg: LinearConfig = LinearConfig()) -> jax.Array:
   else:
     y = fp8_gemm_ref.invariant_dot(x_MxK.astype(jnp.bfloat16), w.astype(jnp.bfloat16)).astype(cfg.out_dtype)
   return y.reshape(*lead, y.shape[-1])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The grouped (mixture-of-experts) linear op
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _grouped_backend(cfg: LinearConfig):
+  if resolve_backend(cfg.backend) == "pallas":
+    raise NotImplementedError(f"grouped_linear: there is no grouped Pallas FP8 kernel yet, and the backend resolved "
+                              f"to 'pallas' (fp8.gemm_backend={cfg.backend!r}); set fp8.gemm_backend='xla' to run "
+                              f"the reference")
+
+
+def _grouped_forward_q(x_MxK, qw: quant.QWeight, group_sizes_E, cfg: LinearConfig):
+  xq, xs = quant.quantize_act(quant.pad_k(x_MxK), cfg.pow2_scales)
+  return grouped_ref.grouped_gemm_reference(xq, xs, quant.pad_k(qw.q, -1), qw.scale, group_sizes_E,
+                                            jnp.dtype(cfg.out_dtype))
+
+
+def _grouped_dgrad(dy_MxN, qw: quant.QWeight, group_sizes_E, k: int, dtype, cfg: LinearConfig):
+  """dx = Q(dy)[1x128 over N] . Q(w_e)^T per group (``_dgrad``'s operands, stacked over experts)."""
+  dyq, dys = quant.quantize_act(quant.pad_k(dy_MxN), cfg.pow2_scales)
+  wt_ExKxN = quant.pad_k(quant.pad_k(jnp.swapaxes(qw.q, -1, -2), -1), -2)
+  dx = grouped_ref.grouped_gemm_reference(dyq, dys, wt_ExKxN, jnp.swapaxes(qw.scale, -1, -2), group_sizes_E,
+                                          jnp.dtype(dtype))
+  return dx[:, :k]
+
+
+def _grouped_wgrad(dy_MxN, x_MxK, group_sizes_E, cfg: LinearConfig):
+  """dw_e = Q(dy_e^T)[1x128 over tokens] . Q(x_e^T)[1x128 over tokens], token groups from group e's first row."""
+  m, e = x_MxK.shape[0], group_sizes_E.shape[0]
+  dest, tile_expert = grouped_ref.layout(group_sizes_E, m)
+  p = grouped_ref.padded_rows(m, e)
+  aq, as_ = quant.quantize_act_t(grouped_ref.to_tiles(dy_MxN, dest, p), cfg.pow2_scales)
+  bq, bs = quant.quantize_act_t(grouped_ref.to_tiles(x_MxK, dest, p), cfg.pow2_scales)
+  return grouped_ref.grouped_wgrad_tiles(aq, as_, bq, bs, tile_expert, e)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped_fp8_master(x_MxK, w_ExNxK, group_sizes_E, cfg: LinearConfig):
+  return _grouped_forward_q(x_MxK, quant.quantize_weight(w_ExNxK, cfg.pow2_scales), group_sizes_E, cfg)
+
+
+def _grouped_master_fwd(x_MxK, w_ExNxK, group_sizes_E, cfg):
+  qw = quant.quantize_weight(w_ExNxK, cfg.pow2_scales)
+  y = _grouped_forward_q(x_MxK, qw, group_sizes_E, cfg)
+  return y, (x_MxK, qw, group_sizes_E, jnp.zeros((), w_ExNxK.dtype))
+
+
+def _grouped_master_bwd(cfg, res, dy_MxN):
+  x_MxK, qw, group_sizes_E, w_dtype_tag = res
+  dx = _grouped_dgrad(dy_MxN, qw, group_sizes_E, x_MxK.shape[1], x_MxK.dtype, cfg)
+  dw = _grouped_wgrad(dy_MxN, x_MxK, group_sizes_E, cfg)
+  return dx, dw.astype(w_dtype_tag.dtype), None
+
+
+_grouped_fp8_master.defvjp(_grouped_master_fwd, _grouped_master_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped_fp8_frozen(x_MxK, qw: quant.QWeight, group_sizes_E, cfg: LinearConfig):
+  return _grouped_forward_q(x_MxK, qw, group_sizes_E, cfg)
+
+
+def _grouped_frozen_fwd(x_MxK, qw, group_sizes_E, cfg):
+  y = _grouped_forward_q(x_MxK, qw, group_sizes_E, cfg)
+  return y, (qw, group_sizes_E, jnp.zeros((0, x_MxK.shape[1]), x_MxK.dtype))
+
+
+def _grouped_frozen_bwd(cfg, res, dy_MxN):
+  qw, group_sizes_E, x_tag = res
+  dx = _grouped_dgrad(dy_MxN, qw, group_sizes_E, x_tag.shape[1], x_tag.dtype, cfg)
+  return dx, jax.tree.map(jnp.zeros_like, qw), None
+
+
+_grouped_fp8_frozen.defvjp(_grouped_frozen_fwd, _grouped_frozen_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped_bf16(x_MxK, w_ExNxK, group_sizes_E, cfg: LinearConfig):
+  """BF16 mode. A custom VJP (not autodiff of the tile loop, which would sum each expert's per-tile dw in BF16) whose
+  dx and dw are, per group, bitwise the dense BF16 ``linear``'s autodiff."""
+  y = grouped_ref.grouped_dot_reference(x_MxK.astype(jnp.bfloat16), w_ExNxK.astype(jnp.bfloat16), group_sizes_E)
+  return y.astype(cfg.out_dtype)
+
+
+def _grouped_bf16_fwd(x_MxK, w_ExNxK, group_sizes_E, cfg):
+  return _grouped_bf16(x_MxK, w_ExNxK, group_sizes_E, cfg), (x_MxK, w_ExNxK, group_sizes_E)
+
+
+def _grouped_bf16_bwd(cfg, res, dy_MxN):
+  x_MxK, w_ExNxK, group_sizes_E = res
+  ct = dy_MxN.astype(jnp.float32)  # the cotangent of the FP32 dot, as in linear's autodiff
+  dx = grouped_ref.grouped_dot_dgrad(ct, w_ExNxK.astype(jnp.bfloat16), group_sizes_E)
+  dw = grouped_ref.grouped_dot_wgrad(ct, x_MxK.astype(jnp.bfloat16), group_sizes_E, w_ExNxK.shape[0])
+  return dx.astype(x_MxK.dtype), dw.astype(w_ExNxK.dtype), None
+
+
+_grouped_bf16.defvjp(_grouped_bf16_fwd, _grouped_bf16_bwd)
+
+
+def grouped_linear(x_MxK: jax.Array, w, group_sizes_E: jax.Array, cfg: LinearConfig = LinearConfig()) -> jax.Array:
+  """The expert GEMM of a mixture-of-experts layer: row i of ``x_MxK`` times ``w_e^T`` for the group e it is in.
+
+  Rows are sorted by group: ``off = exclusive_cumsum(group_sizes_E)`` (integers, may be traced; E static), rows
+  ``[off_e, off_e + size_e)`` use expert e; rows at or beyond ``sum(group_sizes_E)`` give zeros (and zero dx).
+  ``w`` is stored (E, N, K), each expert like a ``linear`` weight, and its type picks the mode as in ``linear``:
+  plain array -> BF16; ``FP8Weight`` wrapping an (E, N, K) master -> FP8 forward,
+  dgrad and wgrad (dw (E, N, K) in the master's dtype; each expert's tokens quantized 1x128 over tokens starting at
+  its group's first row); ``QWeight`` with q (E, N, K) and scale (E, N/128, K/128) -> frozen-weight forward + dgrad.
+  Numerics: each group's rows of y, dx and each dw_e are bitwise ``linear`` (and its VJP) applied to that group's
+  rows alone (batch-invariant math; ``pallas_kernels.grouped_gemm``), checked on CPU. Only the "xla" reference
+  exists: a backend that resolves to "pallas" raises (FP8 weights only; BF16 mode has no FP8 GEMM).
+  """
+  if x_MxK.ndim != 2:
+    raise ValueError(f"grouped_linear: x must be 2-D (M, K) rows sorted by group, got shape {tuple(x_MxK.shape)}")
+  if len(w.shape) != 3:
+    raise ValueError(f"grouped_linear: weight must be 3-D, stored (E, N, K) = (experts, out, in), got shape "
+                     f"{tuple(w.shape)}")
+  group_sizes_E = jnp.asarray(group_sizes_E)
+  e, n, k = w.shape
+  if group_sizes_E.ndim != 1 or group_sizes_E.shape[0] != e:
+    raise ValueError(f"grouped_linear: group_sizes must be 1-D with one size per expert (E={e} from weight "
+                     f"{tuple(w.shape)}), got shape {tuple(group_sizes_E.shape)}")
+  if not jnp.issubdtype(group_sizes_E.dtype, jnp.integer):
+    raise ValueError(f"grouped_linear: group_sizes must be integers, got {group_sizes_E.dtype}")
+  if x_MxK.shape[1] != k:
+    raise ValueError(f"grouped_linear: x has K={x_MxK.shape[1]} (shape {tuple(x_MxK.shape)}) but weight is "
+                     f"{tuple(w.shape)} (stored (E, N, K))")
+  if isinstance(w, quant.QWeight) and w.scale.shape != (e, quant.num_blocks(n), quant.num_blocks(k)):
+    raise ValueError(f"grouped_linear: QWeight scale must be (E, ceil(N/128), ceil(K/128)) = "
+                     f"{(e, quant.num_blocks(n), quant.num_blocks(k))} for q {tuple(w.q.shape)}, got "
+                     f"{tuple(w.scale.shape)}")
+  w_dtypes = [a.dtype for a in jax.tree.leaves(w)]
+  if jnp.iscomplexobj(x_MxK) or any(jnp.issubdtype(d, jnp.complexfloating) for d in w_dtypes):
+    raise TypeError(f"grouped_linear: complex operands are not supported (x {x_MxK.dtype}, weight {w_dtypes})")
+  group_sizes_E = group_sizes_E.astype(jnp.int32)
+  if x_MxK.shape[0] == 0:
+    return jnp.zeros((0, n), cfg.out_dtype)
+  if isinstance(w, quant.FP8Weight):
+    _grouped_backend(cfg)
+    return _grouped_fp8_master(x_MxK, w.w, group_sizes_E, cfg)
+  if isinstance(w, quant.QWeight):
+    _grouped_backend(cfg)
+    return _grouped_fp8_frozen(x_MxK, w, group_sizes_E, cfg)
+  return _grouped_bf16(x_MxK, w, group_sizes_E, cfg)

@@ -1,0 +1,145 @@
+"""Grouped (mixture-of-experts) block-scaled FP8 GEMM and its plain-jnp reference.
+
+Rows are sorted by group: with ``off = exclusive_cumsum(group_sizes_E)`` (int32, traced; E static), rows
+``[off_e, off_e + size_e)`` of A are multiplied by expert e's weight ``B_e``; rows at or beyond ``sum(group_sizes)``
+give zeros. Sizes are clipped to the M rows there are (a group reaching past row M keeps only the rows before M).
+
+Layout (also what a Hopper kernel would use): ``layout`` places each group's rows in a buffer of the static size
+``padded_rows(M, E) = round_up(M, 128) + E * 128`` where every group starts at a multiple of 128 rows (zero rows
+between groups), and gives each 128-row tile its expert id (E for the unused tiles at the end). Each tile is then an
+ordinary dense block GEMM against one expert, computed by ``fp8_gemm.fp8_gemm_reference`` itself (or
+``invariant_dot`` for BF16 operands), so every row is bitwise the dense GEMM of its group's rows alone: rows are
+independent in the dense math (batch invariance), and the 1x128-over-tokens groups of the wgrad operands start at
+each group's first row, as in the dense wgrad of that group.
+
+The wgrad GEMM (``grouped_wgrad_tiles``) contracts over tokens: dW_e accumulates, in increasing tile order, one
+128-token K block per tile of group e, with the dense reference's per-block math, so dW_e is bitwise the dense
+wgrad of group e's rows (an empty group gives exact zeros).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.fp8_gemm import BLOCK, fp8_gemm_reference, invariant_dot
+
+
+def padded_rows(m: int, num_groups: int) -> int:
+  """Static row count of the tile buffer: enough for every group padded to a multiple of 128."""
+  return -(-m // BLOCK) * BLOCK + num_groups * BLOCK
+
+
+def layout(group_sizes_E: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+  """-> (dest_M, tile_expert_T): each row's buffer row (``padded_rows`` = dropped, for rows past the groups) and
+  each 128-row tile's expert (E for unused tiles). Negative sizes count as 0."""
+  e = group_sizes_E.shape[0]
+  p = padded_rows(m, e)
+  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_E.astype(jnp.int32), 0)), m)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  pad_ends = jnp.cumsum((ends - starts + BLOCK - 1) // BLOCK * BLOCK)
+  pad_starts = pad_ends - (ends - starts + BLOCK - 1) // BLOCK * BLOCK
+  rows = jnp.arange(m, dtype=jnp.int32)
+  g = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)  # empty groups are skipped (equal ends)
+  gc = jnp.minimum(g, e - 1)
+  dest = jnp.where(g < e, pad_starts[gc] + rows - starts[gc], p)
+  tile_expert = jnp.searchsorted(pad_ends, jnp.arange(0, p, BLOCK, dtype=jnp.int32), side="right")
+  return dest.astype(jnp.int32), tile_expert.astype(jnp.int32)
+
+
+def to_tiles(x_MxK: jax.Array, dest_M: jax.Array, p: int) -> jax.Array:
+  """Rows -> the (p, K) tile buffer (zeros between groups and after them)."""
+  return jnp.zeros((p, *x_MxK.shape[1:]), x_MxK.dtype).at[dest_M].set(x_MxK, mode="drop")
+
+
+def from_tiles(y_PxN: jax.Array, dest_M: jax.Array) -> jax.Array:
+  """The tile buffer -> rows (zeros for the rows past the groups)."""
+  return jnp.take(y_PxN, dest_M, axis=0, mode="fill", fill_value=0)
+
+
+def per_tile(tile_fn, a_PxK: jax.Array, a_s_PxKb: jax.Array | None, tile_expert_T: jax.Array, num_experts: int,
+             n: int, out_dtype) -> jax.Array:
+  """``tile_fn(a_128xK, a_s_128xKb, e) -> (128, n)`` for every used tile, in a fixed-shape loop (each tile runs the
+  same dense code whatever M and the group sizes are); unused tiles (id E) give zeros without computing."""
+  t = tile_expert_T.shape[0]
+  a = a_PxK.reshape(t, BLOCK, -1)
+  s = jnp.zeros((t, BLOCK, 0)) if a_s_PxKb is None else a_s_PxKb.reshape(t, BLOCK, -1)
+
+  def body(xs):
+    at, st, e = xs
+    return jax.lax.cond(e < num_experts, lambda: tile_fn(at, st, e).astype(out_dtype),
+                        lambda: jnp.zeros((BLOCK, n), out_dtype))
+
+  return jax.lax.map(body, (a, s, tile_expert_T)).reshape(t * BLOCK, n)
+
+
+def grouped_gemm_reference(a_q_MxK, a_s_MxKb, b_q_ExNxK, b_s, group_sizes_E, out_dtype=jnp.bfloat16):
+  """Grouped ``C = A . B_e^T`` on quantized operands (layouts of ``fp8_gemm``, B stacked over experts: b_q (E, N, K),
+  b_s (E, Nb, Kb) or (E, N, Kb)). A's 1x128 groups run along K, so its rows move to the tile buffer unchanged."""
+  m, e, n = a_q_MxK.shape[0], b_q_ExNxK.shape[0], b_q_ExNxK.shape[1]
+  dest, tile_expert = layout(group_sizes_E, m)
+  p = padded_rows(m, e)
+  # FP8 rows move as their bytes (scatter/gather of the storage bits; no arithmetic on E4M3 values).
+  a_bits = to_tiles(jax.lax.bitcast_convert_type(a_q_MxK, jnp.uint8), dest, p)
+  a_q = jax.lax.bitcast_convert_type(a_bits, a_q_MxK.dtype)
+  a_s = to_tiles(a_s_MxKb, dest, p)
+  tile = lambda at, st, ei: fp8_gemm_reference(at, st, b_q_ExNxK[ei], b_s[ei], out_dtype=out_dtype)
+  return from_tiles(per_tile(tile, a_q, a_s, tile_expert, e, n, out_dtype), dest)
+
+
+def grouped_dot_reference(x_MxK, w_ExNxK, group_sizes_E) -> jax.Array:
+  """BF16-mode grouped ``x . w_e^T``: the dense ``invariant_dot`` (FP32 accumulation) per tile; FP32 out."""
+  m, e, n = x_MxK.shape[0], w_ExNxK.shape[0], w_ExNxK.shape[1]
+  dest, tile_expert = layout(group_sizes_E, m)
+  tile = lambda at, _, ei: invariant_dot(at, w_ExNxK[ei])
+  y = per_tile(tile, to_tiles(x_MxK, dest, padded_rows(m, e)), None, tile_expert, e, n, jnp.float32)
+  return from_tiles(y, dest)
+
+
+def grouped_wgrad_tiles(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, num_experts: int) -> jax.Array:
+  """dW_e = sum over group e's token tiles of A_tile . B_tile^T -> (E, N, K) FP32.
+
+  Operands are the tile buffers quantized 1x128 over tokens (``quant.quantize_act_t`` of the (P, .) buffers), so
+  tile t is K block t of the dense wgrad GEMM. Each used tile adds ``fp8_gemm_reference`` of its one K block to its
+  expert's accumulator, in increasing tile order: the dense reference's per-block math in the dense order."""
+  n, k, t = a_q_NxP.shape[0], b_q_KxP.shape[0], tile_expert_T.shape[0]
+  a = a_q_NxP.reshape(n, t, BLOCK).transpose(1, 0, 2)
+  b = b_q_KxP.reshape(k, t, BLOCK).transpose(1, 0, 2)
+
+  def step(acc_ExNxK, xs):
+    at, bt, sa, sb, e = xs
+    add = lambda: acc_ExNxK.at[e].add(fp8_gemm_reference(at, sa[:, None], bt, sb[:, None], out_dtype=jnp.float32))
+    return jax.lax.cond(e < num_experts, add, lambda: acc_ExNxK), None
+
+  acc, _ = jax.lax.scan(step, jnp.zeros((num_experts, n, k), jnp.float32), (a, b, a_s_NxT.T, b_s_KxT.T, tile_expert_T))
+  return acc
+
+
+def grouped_dot_dgrad(ct_MxN, w_ExNxK, group_sizes_E) -> jax.Array:
+  """The VJP of ``grouped_dot_reference`` for x: per tile, the transpose of the dense ``invariant_dot`` (so each
+  group's rows are bitwise the dense autodiff dx). ``ct_MxN`` is the FP32 cotangent; dx in w's dtype."""
+  m, (e, n, k) = ct_MxN.shape[0], w_ExNxK.shape
+  dest, tile_expert = layout(group_sizes_E, m)
+  a_struct = jax.ShapeDtypeStruct((BLOCK, k), w_ExNxK.dtype)
+  tile = lambda ct, _, ei: jax.linear_transpose(lambda a: invariant_dot(a, w_ExNxK[ei]), a_struct)(ct)[0]
+  return from_tiles(per_tile(tile, to_tiles(ct_MxN, dest, padded_rows(m, e)), None, tile_expert, e, k,
+                             w_ExNxK.dtype), dest)
+
+
+def grouped_dot_wgrad(ct_MxN, x_MxK, group_sizes_E, num_experts: int) -> jax.Array:
+  """The VJP of ``grouped_dot_reference`` for w -> (E, N, K) in x's dtype: for each expert, the transpose of the
+  dense ``invariant_dot`` over the whole tile buffer with the other groups' rows zeroed. A zero row adds exact
+  zeros, so this is the dense autodiff dw of the group's rows alone (checked bitwise on XLA:CPU); it costs E dense
+  wgrads of the buffer (a reference, not a kernel)."""
+  m, n, k = x_MxK.shape[0], ct_MxN.shape[1], x_MxK.shape[1]
+  dest, tile_expert = layout(group_sizes_E, m)
+  p = padded_rows(m, num_experts)
+  xb, cb = to_tiles(x_MxK, dest, p), to_tiles(ct_MxN, dest, p)
+  b_struct = jax.ShapeDtypeStruct((n, k), x_MxK.dtype)
+
+  def expert(ei):
+    rows = jnp.repeat(tile_expert == ei, BLOCK)[:, None]
+    xe, ce = jnp.where(rows, xb, 0).astype(xb.dtype), jnp.where(rows, cb, 0).astype(cb.dtype)
+    return jax.linear_transpose(lambda b: invariant_dot(xe, b), b_struct)(ce)[0]
+
+  return jax.lax.map(expert, jnp.arange(num_experts, dtype=jnp.int32))
