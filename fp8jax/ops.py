@@ -11,6 +11,9 @@ type of ``w`` (chosen by the recipe in ``fp8jax.quant``), never on who calls it:
 * ``QWeight(q, scale)`` (sampling) -> the same forward on weights quantized beforehand by ``quantize_params``.
   ``quantize_weight`` is deterministic, so the FP8Weight and QWeight forwards are bitwise the same computation.
 
+``grouped_linear(x, w, group_sizes, cfg)`` is the mixture-of-experts form (rows sorted by group, w stacked (E, N, K),
+same three modes); each group's results are bitwise ``linear`` on its rows alone. It has only the "xla" reference.
+
 Outputs are ``cfg.out_dtype`` (BF16 by default). The GEMMs run on a backend: "xla" is the exact block-math
 reference in ``pallas_kernels.fp8_gemm`` (every kernel is tested against it); "pallas" is the Hopper kernel, with
 the activations quantized by the one-pass kernels of ``pallas_kernels.fp8_quant`` (bitwise the quantizer's output).
@@ -401,7 +404,7 @@ def grouped_linear(x_MxK: jax.Array, w, group_sizes_E: jax.Array, cfg: LinearCon
                      f"{tuple(w.shape)}")
   group_sizes_E = jnp.asarray(group_sizes_E)
   e, n, k = w.shape
-  if group_sizes_E.ndim != 1 or group_sizes_E.shape[0] != e:
+  if e == 0 or group_sizes_E.ndim != 1 or group_sizes_E.shape[0] != e:
     raise ValueError(f"grouped_linear: group_sizes must be 1-D with one size per expert (E={e} from weight "
                      f"{tuple(w.shape)}), got shape {tuple(group_sizes_E.shape)}")
   if not jnp.issubdtype(group_sizes_E.dtype, jnp.integer):

@@ -14,7 +14,8 @@ each group's first row, as in the dense wgrad of that group.
 
 The wgrad GEMM (``grouped_wgrad_tiles``) contracts over tokens: dW_e accumulates, in increasing tile order, one
 128-token K block per tile of group e, with the dense reference's per-block math, so dW_e is bitwise the dense
-wgrad of group e's rows (an empty group gives exact zeros).
+wgrad of group e's rows (an empty group gives exact zeros). BF16 mode's gradients (``grouped_dot_dgrad``,
+``grouped_dot_wgrad``) are transposes of the dense ``invariant_dot``, likewise bitwise the dense autodiff per group.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ def layout(group_sizes_E: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
   p = padded_rows(m, e)
   ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_E.astype(jnp.int32), 0)), m)
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-  pad_ends = jnp.cumsum((ends - starts + BLOCK - 1) // BLOCK * BLOCK)
-  pad_starts = pad_ends - (ends - starts + BLOCK - 1) // BLOCK * BLOCK
+  padded = (ends - starts + BLOCK - 1) // BLOCK * BLOCK
+  pad_ends = jnp.cumsum(padded)
+  pad_starts = pad_ends - padded
   rows = jnp.arange(m, dtype=jnp.int32)
   g = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)  # empty groups are skipped (equal ends)
   gc = jnp.minimum(g, e - 1)

@@ -1,0 +1,168 @@
+"""grouped_linear (the MoE expert GEMM): each group's rows, dx and dw_e bitwise the dense linear on that group alone."""
+
+import fp8jax
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp8jax import ops, quant
+from pallas_kernels import grouped_gemm
+
+# Bitwise equality to the dense op rests on the batch invariance of the XLA:CPU path (see test_ops.cpu_only).
+cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU/XLA path's bitwise math")
+
+E, N, K, M = 4, 384, 256, 300
+# An empty group (in the middle), a one-row group, groups over 128 rows and not multiples of 128, and 29 trailing
+# rows past sum(sizes) = 271 that belong to no group.
+SIZES = (130, 0, 1, 140)
+WRAP = {"bf16": lambda w: w, "fp8_master": quant.FP8Weight, "qweight": quant.quantize_weight}
+
+
+def rand(key, shape, scale=1.0, dtype=jnp.float32):
+  return (jax.random.normal(jax.random.key(key), shape) * scale).astype(dtype)
+
+
+def bits(a):
+  return np.asarray(a, np.float32)
+
+
+def grouped_and_dense(kind, sizes, x, w, dy, cfg=ops.LinearConfig()):
+  """(y, dx, dw) of the grouped op, and per group e the same of the dense op on its rows alone (None if empty)."""
+  wq = WRAP[kind](w)
+  y, vjp = jax.vjp(lambda x, w: ops.grouped_linear(x, w, jnp.asarray(sizes, jnp.int32), cfg), x, wq)
+  dx, dw = vjp(dy)
+  off = np.concatenate([[0], np.cumsum(sizes)])
+  dense = []
+  for e in range(len(sizes)):
+    rows = slice(off[e], off[e + 1])
+    if sizes[e] == 0:
+      dense.append(None)
+      continue
+    ye, vjpe = jax.vjp(lambda x, w: ops.linear(x, w, cfg), x[rows], jax.tree.map(lambda a: a[e], wq))  # noqa: B023
+    dense.append((rows, ye, *vjpe(dy[rows])))
+  return (y, dx, dw), dense
+
+
+def dw_array(kind, dw):
+  return {"bf16": lambda d: d, "fp8_master": lambda d: d.w, "qweight": lambda d: None}[kind](dw)
+
+
+@cpu_only
+@pytest.mark.parametrize("kind", ["bf16", "fp8_master", "qweight"])
+def test_forward_dgrad_wgrad_bitwise_dense_per_group(kind):
+  x, w, dy = rand(0, (M, K), 1.0, jnp.bfloat16), rand(1, (E, N, K), 0.05), rand(2, (M, N), 1.0, jnp.bfloat16)
+  (y, dx, dw), dense = grouped_and_dense(kind, SIZES, x, w, dy)
+  assert y.shape == (M, N) and y.dtype == jnp.bfloat16 and dx.shape == x.shape and dx.dtype == x.dtype
+  for e, d in enumerate(dense):
+    if d is None:  # the empty group: no rows, and no gradient for its expert
+      if kind != "qweight":
+        assert not np.any(bits(dw_array(kind, dw)[e]))
+      continue
+    rows, ye, dxe, dwe = d
+    np.testing.assert_array_equal(bits(y[rows]), bits(ye), err_msg=f"forward, group {e}")
+    np.testing.assert_array_equal(bits(dx[rows]), bits(dxe), err_msg=f"dgrad, group {e}")
+    if kind == "qweight":  # frozen weights: zero cotangent
+      assert not any(np.any(bits(a)) for a in jax.tree.leaves(dw))
+    else:
+      assert dw_array(kind, dw).dtype == w.dtype
+      np.testing.assert_array_equal(bits(dw_array(kind, dw)[e]), bits(dw_array(kind, dwe)), err_msg=f"wgrad {e}")
+  tail = slice(sum(SIZES), M)
+  assert not np.any(bits(y[tail])) and not np.any(bits(dx[tail]))  # rows past the groups: zeros
+  assert np.any(bits(y[:1])) and np.any(bits(dx[:1]))
+
+
+@cpu_only
+def test_jit_with_traced_group_sizes():
+  """One compilation serves any sizes; a group reaching past row M keeps the rows before M."""
+  x, w, dy = rand(3, (M, K), 1.0, jnp.bfloat16), rand(4, (E, N, K), 0.05), rand(5, (M, N), 1.0, jnp.bfloat16)
+
+  @fp8jax.jit
+  def step(x, w, sizes, dy):
+    y, vjp = jax.vjp(lambda x, w: ops.grouped_linear(x, quant.FP8Weight(w), sizes), x, w)
+    return y, *vjp(dy)
+
+  for sizes, clipped in [((0, 300, 0, 0), (0, 300, 0, 0)), ((5, 128, 100, 200), (5, 128, 100, 67))]:
+    y, dx, dw = step(x, w, jnp.asarray(sizes, jnp.int32), dy)
+    _, dense = grouped_and_dense("fp8_master", clipped, x, w, dy)
+    for e, (rows, ye, dxe, dwe) in ((e, d) for e, d in enumerate(dense) if d is not None):
+      np.testing.assert_array_equal(bits(y[rows]), bits(ye))
+      np.testing.assert_array_equal(bits(dx[rows]), bits(dxe))
+      np.testing.assert_array_equal(bits(dw[e]), bits(dwe.w))
+  assert step._cache_size() == 1
+
+
+# As in test_ops: E4M3 with 1x128 / 128x128 scales, relative Frobenius error of a product ~0.03 typical, 0.05 worst.
+FP8_VS_BF16_REL_BOUND = 0.06
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def test_fp8_vs_bf16_within_documented_bound():
+  x, w, dy = rand(6, (M, K)), rand(7, (E, N, K), 0.05), rand(8, (M, N))
+  f32 = ops.LinearConfig(out_dtype="float32")
+  sizes = jnp.asarray(SIZES, jnp.int32)
+  y8, vjp8 = jax.vjp(lambda x, w: ops.grouped_linear(x, quant.FP8Weight(w), sizes, f32), x, w)
+  yb, vjpb = jax.vjp(lambda x, w: ops.grouped_linear(x, w, sizes, f32), x, w)
+  assert rel(y8, yb) < FP8_VS_BF16_REL_BOUND
+  (dx8, dw8), (dxb, dwb) = vjp8(dy), vjpb(dy)
+  assert rel(dx8, dxb) < FP8_VS_BF16_REL_BOUND
+  for e in (0, 3):  # the groups of more than one 128-token block
+    assert rel(dw8[e], dwb[e]) < FP8_VS_BF16_REL_BOUND
+
+
+def test_stacked_weights_quantize_per_expert():
+  """quantize_weight / dequantize_weight on (E, N, K): each expert bitwise its own 2-D quantization."""
+  w = rand(9, (3, 200, 136), 0.05)
+  qw = quant.quantize_weight(w)
+  assert qw.q.shape == w.shape and qw.scale.shape == (3, 2, 2)
+  for e in range(3):
+    qe = quant.quantize_weight(w[e])
+    np.testing.assert_array_equal(bits(qw.q[e]), bits(qe.q))
+    np.testing.assert_array_equal(qw.scale[e], qe.scale)
+    np.testing.assert_array_equal(qw.dequantize()[e], qe.dequantize())
+
+
+def test_layout_places_groups_on_tile_boundaries():
+  dest, tile_expert = grouped_gemm.layout(jnp.asarray(SIZES, jnp.int32), M)
+  p = grouped_gemm.padded_rows(M, E)
+  assert p == 384 + 4 * 128 and tile_expert.shape == (p // 128,)
+  np.testing.assert_array_equal(dest[:130], np.arange(130))  # group 0: tiles 0-1
+  assert dest[130] == 256  # group 2 (one row; group 1 is empty): tile 2
+  np.testing.assert_array_equal(dest[131:271], 384 + np.arange(140))  # group 3: tiles 3-4
+  np.testing.assert_array_equal(dest[271:], p)  # past the groups: dropped
+  np.testing.assert_array_equal(tile_expert, [0, 0, 2, 3, 3, 4, 4])
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_master", "qweight"])
+def test_no_rows(kind):
+  y = ops.grouped_linear(jnp.zeros((0, K)), WRAP[kind](rand(10, (E, N, K), 0.05)), jnp.zeros((E,), jnp.int32))
+  assert y.shape == (0, N) and y.dtype == jnp.bfloat16
+
+
+def test_errors_name_shapes(monkeypatch):
+  x, w, sizes = jnp.ones((8, K)), rand(11, (E, N, K)), jnp.asarray([2, 2, 2, 2])
+  with pytest.raises(ValueError, match=re.escape("x must be 2-D (M, K) rows sorted by group, got shape (2, 4, 256)")):
+    ops.grouped_linear(x.reshape(2, 4, K), w, sizes)
+  with pytest.raises(ValueError, match=re.escape("weight must be 3-D, stored (E, N, K)") + r".*\(384, 256\)"):
+    ops.grouped_linear(x, w[0], sizes)
+  with pytest.raises(ValueError, match=re.escape("(E=4 from weight (4, 384, 256)), got shape (3,)")):
+    ops.grouped_linear(x, w, sizes[:3])
+  with pytest.raises(ValueError, match="group_sizes must be integers"):
+    ops.grouped_linear(x, w, sizes.astype(jnp.float32))
+  with pytest.raises(ValueError, match=re.escape("x has K=128 (shape (8, 128)) but weight is (4, 384, 256)")):
+    ops.grouped_linear(x[:, :128], quant.FP8Weight(w), sizes)
+  qw = quant.quantize_weight(w)
+  with pytest.raises(ValueError, match=re.escape("QWeight scale must be (E, ceil(N/128), ceil(K/128)) = (4, 3, 2)")):
+    ops.grouped_linear(x, quant.QWeight(qw.q, qw.scale[:, :2]), sizes)
+  monkeypatch.setattr(ops, "resolve_backend", lambda requested: "pallas")
+  for wq in (quant.FP8Weight(w), qw):
+    with pytest.raises(NotImplementedError, match=r"no grouped Pallas FP8 kernel.*fp8\.gemm_backend"):
+      ops.grouped_linear(x, wq, sizes)
+  assert ops.grouped_linear(x, w, sizes).shape == (8, N)  # BF16 mode runs no FP8 GEMM
