@@ -181,6 +181,9 @@ def hf_config_dict(cfg: ModelConfig, *, extra: dict | None = None) -> dict:
 
 def hf_param_names(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
   """fp8jax param path ("layers/3/wq", "embed") -> (HF tensor name, shape), in params order."""
+  if cfg.n_experts:
+    raise HFCheckpointError(f"model.n_experts={cfg.n_experts}: HF import/export of MoE (Qwen3-MoE) checkpoints is not "
+                            "implemented yet (issue 17, step 4); dense Llama / Qwen3 only")
   shapes = llama.param_shapes(cfg)
   out = {"embed": (HF_TOP_MODULES["embed"] + ".weight", tuple(shapes["embed"]))}
   for i, layer in enumerate(shapes["layers"]):
@@ -727,8 +730,8 @@ def residual_stream(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig
   inv_freq = rope_inv_freq(cfg)
   out = [x]
   for i, p in enumerate(params["layers"]):
-    x, _, _ = llama.decoder_layer(p, x, positions_BxT, cfg, lcfg, inv_freq, layer=i, cache=None, kv_scales=None,
-                                  own_positions=True)
+    x, _, _, _ = llama.decoder_layer(p, x, positions_BxT, cfg, lcfg, inv_freq, layer=i, cache=None, kv_scales=None,
+                                     own_positions=True)
     out.append(x)
   return out
 

@@ -11,7 +11,14 @@ from fp8jax.quant import BLOCK
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """A Llama-3.x / Qwen3-dense decoder. Linear weights are stored (out, in), like PyTorch and HF checkpoints."""
+  """A Llama-3.x / Qwen3 decoder, dense or with Qwen3-MoE layers. Linear weights are stored (out, in), like PyTorch
+  and HF checkpoints.
+
+  MoE (transformers' Qwen3MoeForCausalLM): with ``n_experts > 0`` layer i is a mixture-of-experts layer unless
+  ``i in mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``; it routes each token to ``n_experts_per_tok``
+  of ``n_experts`` SwiGLU experts of width ``moe_ffn_dim`` (softmax over all experts, top-k, renormalized when
+  ``norm_topk_prob``). Dense layers keep ``ffn_dim``.
+  """
 
   vocab_size: int
   dim: int
@@ -31,6 +38,12 @@ class ModelConfig:
   dtype: str = "bfloat16"  # activation / compute dtype; master params are float32
   remat: bool = False  # rematerialize each decoder layer in the backward pass
   attn_backend: str = "auto"  # fp8jax.attention: "auto" (Pallas kernels on a CUDA GPU, else the reference) | "xla" | "pallas"
+  n_experts: int = 0  # 0: every layer dense
+  n_experts_per_tok: int = 0
+  moe_ffn_dim: int = 0
+  norm_topk_prob: bool = False
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
 
   def __post_init__(self):
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
@@ -42,6 +55,24 @@ class ModelConfig:
       raise ValueError(f"model.attn_backend must be 'auto', 'xla' or 'pallas', got {self.attn_backend!r}")
     if self.head_dim % 2:
       raise ValueError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+    object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+    if self.n_experts < 0:
+      raise ValueError(f"model.n_experts must be >= 0, got {self.n_experts}")
+    if self.n_experts:
+      if not 1 <= self.n_experts_per_tok <= self.n_experts:
+        raise ValueError(f"model.n_experts_per_tok={self.n_experts_per_tok} must be in [1, model.n_experts="
+                         f"{self.n_experts}]")
+      if self.moe_ffn_dim <= 0:
+        raise ValueError(f"model.moe_ffn_dim must be > 0 with model.n_experts={self.n_experts}, got {self.moe_ffn_dim}")
+      if self.decoder_sparse_step < 1:
+        raise ValueError(f"model.decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+      bad = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
+      if bad:
+        raise ValueError(f"model.mlp_only_layers={self.mlp_only_layers}: {bad} not in [0, {self.n_layers})")
+
+  def is_moe_layer(self, i: int) -> bool:
+    """Whether layer ``i`` is a mixture-of-experts layer (transformers' Qwen3MoeDecoderLayer rule)."""
+    return self.n_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
   @property
   def q_dim(self) -> int:
@@ -55,6 +86,8 @@ class ModelConfig:
     """Dimensions that FP8 GEMMs would have to zero-pad (not multiples of 128); empty when all are aligned."""
     dims = {"dim": self.dim, "ffn_dim": self.ffn_dim, "q_dim (n_heads*head_dim)": self.q_dim,
             "kv_dim (n_kv_heads*head_dim)": self.kv_dim}
+    if self.n_experts:
+      dims["moe_ffn_dim"] = self.moe_ffn_dim
     return [f"model.{k}={v}" for k, v in dims.items() if v % BLOCK]
 
   @classmethod

@@ -30,6 +30,7 @@ from fp8jax.model.config import ModelConfig
 from fp8jax.model.gqa import attention
 from fp8jax.model.layers import rms_norm, rope_inv_freq
 from fp8jax.model.mlp import mlp
+from fp8jax.model.moe import RouterStats, moe
 
 # ------------------------------------------------------------------------------------------------------------------
 # Forward
@@ -41,26 +42,34 @@ from fp8jax.model.mlp import mlp
 class ForwardAux:
   k_amax_L: jax.Array  # (L,) max |K| per layer (post-RoPE), for FP8 KV-scale calibration
   v_amax_L: jax.Array
+  router: tuple[RouterStats, ...] = ()  # one per MoE layer, in layer order (moe.load_balancing_loss)
 
 
 def decoder_layer(p, x, positions_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig, inv_freq, *, layer: int, cache,
-                  kv_scales, own_positions: bool = False):
-  """One pre-norm decoder layer -> (x + attn + mlp, new cache layer or None, (amax K, amax V)).
+                  kv_scales, own_positions: bool = False, router_mask_BxT=None):
+  """One pre-norm decoder layer -> (x + attn + mlp, new cache layer or None, (amax K, amax V), RouterStats or None).
 
+  The MLP is the dense SwiGLU or, in MoE layers (``cfg.is_moe_layer``), the Qwen3-MoE block.
   ``lcfg.out_dtype`` must already be the activation dtype (``forward`` sets it)."""
   h, new_layer, amax = attention(p, rms_norm(x, p["attn_norm"], cfg.norm_eps), positions_BxT, cfg, lcfg, inv_freq,
                                  layer=layer, cache=cache, kv_scales=kv_scales, own_positions=own_positions)
   x = x + h
-  x = x + mlp(p, rms_norm(x, p["mlp_norm"], cfg.norm_eps), lcfg)
-  return x, new_layer, amax
+  hn = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+  stats = None
+  if cfg.is_moe_layer(layer):
+    h, stats = moe(p, hn, cfg, lcfg, router_mask_BxT)
+  else:
+    h = mlp(p, hn, lcfg)
+  return x + h, new_layer, amax, stats
 
 
 def forward(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.LinearConfig(), *,
-            positions_BxT=None, cache: kvc.KVCache | None = None, kv_scales=None):
+            positions_BxT=None, cache: kvc.KVCache | None = None, kv_scales=None, router_mask_BxT=None):
   """Decoder forward -> (hidden_BxTxD after the final norm, new cache or None, ForwardAux).
 
   ``kv_scales``: (k_scale_L, v_scale_L) to fake-quantize K/V like an FP8 rollout cache (training only; with a
-  cache the cache's own scales are used). Logits: ``logits(params, hidden, cfg)``.
+  cache the cache's own scales are used). ``router_mask_BxT``: the tokens that count in the MoE routing statistics
+  (padding excluded); all by default. Logits: ``logits(params, hidden, cfg)``.
   """
   b, t = tokens_BxT.shape
   own_positions = positions_BxT is None and cache is None
@@ -75,21 +84,23 @@ def forward(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.L
 
   def layer_fn(p, x, layer_cache, i):
     return decoder_layer(p, x, positions_BxT, cfg, lcfg, inv_freq, layer=i, cache=layer_cache, kv_scales=kv_scales,
-                         own_positions=own_positions)
+                         own_positions=own_positions, router_mask_BxT=router_mask_BxT)
 
   if cfg.remat and cache is None:
     layer_fn = jax.checkpoint(layer_fn, static_argnums=(3,))
-  new_k, new_v, k_amax, v_amax = [], [], [], []
+  new_k, new_v, k_amax, v_amax, router = [], [], [], [], []
   for i, p in enumerate(params["layers"]):
-    x, new_layer, (ka, va) = layer_fn(p, x, cache, i)
+    x, new_layer, (ka, va), stats = layer_fn(p, x, cache, i)
     k_amax.append(ka)
     v_amax.append(va)
+    if stats is not None:
+      router.append(stats)
     if new_layer is not None:
       new_k.append(new_layer[0])
       new_v.append(new_layer[1])
   x = rms_norm(x, params["final_norm"], cfg.norm_eps)
   new_cache = None if cache is None else dataclasses.replace(cache, k=new_k, v=new_v)
-  return x, new_cache, ForwardAux(jnp.stack(k_amax), jnp.stack(v_amax))
+  return x, new_cache, ForwardAux(jnp.stack(k_amax), jnp.stack(v_amax), tuple(router))
 
 
 def logits(params, hidden_BxTxD, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.LinearConfig()):

@@ -35,7 +35,9 @@ INITS = ("ones", "normal", "normal_residual")
 class Param:
   """One parameter. ``axes``: a mesh axis (or None) per dimension, or ``REPLICATED``. ``init``: "ones" (norm
   weights), "normal" (N(0, std)) or "normal_residual" (N(0, std / sqrt(2 L)): projections that write into the
-  residual stream). ``present``: whether a config has this parameter (e.g. q_norm only with qk_norm)."""
+  residual stream). ``present(cfg, layer)``: whether a config has this parameter (e.g. q_norm only with qk_norm;
+  the expert weights only in MoE layers); ``layer`` is None for the rows outside the layers. ``stacked``: the
+  leading dimension indexes experts (HF stores one tensor per expert, ``hf`` then holds ``{e}``)."""
 
   key: str
   shape: Callable[[ModelConfig], tuple[int, ...]]
@@ -43,7 +45,8 @@ class Param:
   hf: str
   linear: bool = False
   init: str = "normal"
-  present: Callable[[ModelConfig], bool] = lambda cfg: True
+  present: Callable[[ModelConfig, int | None], bool] = lambda cfg, layer: True
+  stacked: bool = False
 
   def __post_init__(self):
     if self.init not in INITS:
@@ -58,11 +61,23 @@ def _mat(out: str, inp: str) -> Callable[[ModelConfig], tuple[int, ...]]:
   return lambda c: (getattr(c, out), getattr(c, inp))
 
 
-def _has_qk_norm(c: ModelConfig) -> bool:
+def _experts(out: str, inp: str) -> Callable[[ModelConfig], tuple[int, ...]]:
+  return lambda c: (c.n_experts, getattr(c, out), getattr(c, inp))
+
+
+def _has_qk_norm(c: ModelConfig, layer) -> bool:
   return c.qk_norm
 
 
-def _untied(c: ModelConfig) -> bool:
+def _dense_mlp(c: ModelConfig, layer: int) -> bool:
+  return not c.is_moe_layer(layer)
+
+
+def _moe(c: ModelConfig, layer: int) -> bool:
+  return c.is_moe_layer(layer)
+
+
+def _untied(c: ModelConfig, layer) -> bool:
   return not c.tie_embeddings
 
 
@@ -76,9 +91,18 @@ LAYER: tuple[Param, ...] = (
     Param("q_norm", _vec("head_dim"), REPLICATED, "self_attn.q_norm", init="ones", present=_has_qk_norm),
     Param("k_norm", _vec("head_dim"), REPLICATED, "self_attn.k_norm", init="ones", present=_has_qk_norm),
     Param("mlp_norm", _vec("dim"), REPLICATED, "post_attention_layernorm", init="ones"),
-    Param("w_gate", _mat("ffn_dim", "dim"), COLUMN, "mlp.gate_proj", linear=True),
-    Param("w_up", _mat("ffn_dim", "dim"), COLUMN, "mlp.up_proj", linear=True),
-    Param("w_down", _mat("dim", "ffn_dim"), ROW, "mlp.down_proj", linear=True, init="normal_residual"),
+    Param("w_gate", _mat("ffn_dim", "dim"), COLUMN, "mlp.gate_proj", linear=True, present=_dense_mlp),
+    Param("w_up", _mat("ffn_dim", "dim"), COLUMN, "mlp.up_proj", linear=True, present=_dense_mlp),
+    Param("w_down", _mat("dim", "ffn_dim"), ROW, "mlp.down_proj", linear=True, init="normal_residual",
+          present=_dense_mlp),
+    # Qwen3-MoE layers: the router stays BF16 (not a recipe linear: NeMo RL never quantizes it), experts block FP8.
+    Param("router", _mat("n_experts", "dim"), REPLICATED, "mlp.gate", present=_moe),
+    Param("expert_gate", _experts("moe_ffn_dim", "dim"), (None, *COLUMN), "mlp.experts.{e}.gate_proj", linear=True,
+          present=_moe, stacked=True),
+    Param("expert_up", _experts("moe_ffn_dim", "dim"), (None, *COLUMN), "mlp.experts.{e}.up_proj", linear=True,
+          present=_moe, stacked=True),
+    Param("expert_down", _experts("dim", "moe_ffn_dim"), (None, *ROW), "mlp.experts.{e}.down_proj", linear=True,
+          init="normal_residual", present=_moe, stacked=True),
 )
 
 # Outside the layers. lm_head is a linear weight too, but the recipe selects it on its own (Recipe.quantize_lm_head).
@@ -98,17 +122,17 @@ HF_LAYER_MODULES: dict[str, str] = {p.key: p.hf for p in LAYER}
 HF_TOP_MODULES: dict[str, str] = {p.key: p.hf for p in TOP}
 
 
-def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-  return {p.key: tuple(p.shape(cfg)) for p in LAYER if p.present(cfg)}
+def layer_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+  return {p.key: tuple(p.shape(cfg)) for p in LAYER if p.present(cfg, layer)}
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
   """Shapes of every parameter: the params pytree with shape tuples as leaves."""
-  top = {p.key: tuple(p.shape(cfg)) for p in TOP if p.present(cfg)}
-  return {"embed": top.pop("embed"), "layers": [layer_shapes(cfg) for _ in range(cfg.n_layers)], **top}
+  top = {p.key: tuple(p.shape(cfg)) for p in TOP if p.present(cfg, None)}
+  return {"embed": top.pop("embed"), "layers": [layer_shapes(cfg, i) for i in range(cfg.n_layers)], **top}
 
 
 def num_params(cfg: ModelConfig) -> int:
-  """Parameter count (embedding and, if untied, the output head included)."""
-  top = sum(math.prod(p.shape(cfg)) for p in TOP if p.present(cfg))
-  return top + cfg.n_layers * sum(math.prod(s) for s in layer_shapes(cfg).values())
+  """Parameter count (embedding and, if untied, the output head included; all experts counted)."""
+  top = sum(math.prod(p.shape(cfg)) for p in TOP if p.present(cfg, None))
+  return top + sum(math.prod(s) for i in range(cfg.n_layers) for s in layer_shapes(cfg, i).values())

@@ -1,0 +1,85 @@
+"""The Qwen3-MoE block (transformers' Qwen3MoeSparseMoeBlock): a BF16 router and block-FP8 SwiGLU experts.
+
+Per token: router logits ``x . router^T`` (a BF16 GEMM: the router is not a recipe linear, so it is never
+quantized), probabilities ``softmax`` in FP32 over all experts, the ``k`` largest (``lax.top_k``), renormalized
+when ``norm_topk_prob``, cast to the activation dtype. The token's ``k`` (token, expert) assignments are sorted by
+expert (a stable sort, so the order is a function of the routing alone) and the experts run as three grouped GEMMs
+(``ops.grouped_linear``: each expert's rows are a dense block-FP8 GEMM of their own, bitwise what ``ops.linear``
+gives those rows), then each assignment's output is put back in token order, weighted in FP32 (exact: a product of
+two BF16 values) and the ``k`` of a token are added in FP32 one slot after the other, rounded to BF16 once. No
+scatter-add (deterministic on every backend) and no reduce over the k slots: with ``jnp.sum`` (and the product in
+BF16) the decode step's rows came out one BF16 ulp off the training rows on CPU, the compiled combine differing
+with the shape. transformers multiplies in BF16 and adds into a BF16 buffer expert by expert instead; the two
+differ by BF16 rounding only (tests/test_moe.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax import ops
+from fp8jax.model.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RouterStats:
+  """What a MoE layer's routing did, for the load-balancing loss and for metrics."""
+
+  expert_ids_BxTxK: jax.Array  # int32, the chosen experts of every token, best first
+  counts_E: jax.Array  # FP32, assignments per expert (masked tokens excluded)
+  prob_sums_E: jax.Array  # FP32, sum over (unmasked) tokens of the router probabilities
+  rows: jax.Array  # FP32, number of (unmasked) tokens
+
+
+def route(p, x_MxD, cfg: ModelConfig, lcfg: ops.LinearConfig):
+  """(weights (M, k) in x's dtype, expert ids (M, k) int32, probabilities (M, E) FP32)."""
+  logits = ops.linear(x_MxD, p["router"], lcfg)
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  top_p, top_i = jax.lax.top_k(probs, cfg.n_experts_per_tok)
+  if cfg.norm_topk_prob:
+    top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+  return top_p.astype(x_MxD.dtype), top_i.astype(jnp.int32), probs
+
+
+def moe(p, x_BxTxD, cfg: ModelConfig, lcfg: ops.LinearConfig, mask_BxT=None):
+  """The MoE MLP -> (out (B, T, D) in x's dtype, RouterStats). ``mask_BxT``: tokens that count in the stats."""
+  b, t, d = x_BxTxD.shape
+  k, n_exp = cfg.n_experts_per_tok, cfg.n_experts
+  x = x_BxTxD.reshape(b * t, d)
+  weights_Mxk, experts_Mxk, probs_MxE = route(p, x, cfg, lcfg)
+
+  flat = experts_Mxk.reshape(-1)  # assignment a = token * k + slot
+  order = jnp.argsort(flat, stable=True)  # assignments sorted by expert
+  sizes_E = jnp.bincount(flat, length=n_exp).astype(jnp.int32)
+  xs = x[order // k]
+  gate = ops.grouped_linear(xs, p["expert_gate"], sizes_E, lcfg)
+  up = ops.grouped_linear(xs, p["expert_up"], sizes_E, lcfg)
+  h = jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up
+  ys = ops.grouped_linear(h, p["expert_down"], sizes_E, lcfg)
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+  y = ys[inverse].reshape(b * t, k, d).astype(jnp.float32) * weights_Mxk.astype(jnp.float32)[..., None]  # exact
+  out = y[:, 0]
+  for slot in range(1, k):  # adds in a fixed order: a reduce's order may follow the shape (seen: decode != training)
+    out = out + y[:, slot]
+  out = out.astype(x.dtype).reshape(b, t, d)
+
+  m = jnp.ones((b * t,), jnp.float32) if mask_BxT is None else mask_BxT.reshape(-1).astype(jnp.float32)
+  counts = jnp.zeros((n_exp,), jnp.float32).at[flat].add(jnp.repeat(m, k))
+  stats = RouterStats(experts_Mxk.reshape(b, t, k), counts, jnp.sum(probs_MxE * m[:, None], axis=0), jnp.sum(m))
+  return out, stats
+
+
+def load_balancing_loss(stats: list[RouterStats], n_experts: int) -> jax.Array:
+  """Switch-Transformer auxiliary loss over all MoE layers, as transformers' ``load_balancing_loss_func``:
+  ``E * sum_e (assignments_e / rows) * (probability mass_e / rows)``, with the counts and masses summed over the
+  layers and ``rows`` = layers x tokens. Balanced routing gives k; 0.0 without MoE layers."""
+  if not stats:
+    return jnp.float32(0.0)
+  rows = sum(s.rows for s in stats)
+  counts = sum(s.counts_E for s in stats) / rows
+  probs = sum(s.prob_sums_E for s in stats) / rows
+  return n_experts * jnp.sum(counts * probs)

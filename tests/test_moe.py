@@ -1,0 +1,203 @@
+"""The Qwen3-MoE block (fp8jax.model.moe) against transformers' Qwen3MoeForCausalLM, and its one-engine properties.
+
+The torch model is built in memory with random weights (a few experts, one dense layer via mlp_only_layers) and
+its tensors are copied into an fp8jax params tree by name (transformers 5 keeps the experts fused in memory:
+gate_up_proj (E, 2F, D) = [gate; up], down_proj (E, D, F)). CPU only.
+"""
+
+import copy
+
+import fp8jax  # noqa: F401  (before any JAX computation)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp8jax import hf, quant
+from fp8jax.model import llama, moe, schema
+from fp8jax.model.config import ModelConfig
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+E, K_TOP, D, F_MOE, F_DENSE, V, L = 8, 2, 256, 128, 256, 192, 3
+CFG = ModelConfig(vocab_size=V, dim=D, n_layers=L, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=F_DENSE,
+                  norm_eps=1e-6, rope_theta=1e6, qk_norm=True, n_experts=E, n_experts_per_tok=K_TOP,
+                  moe_ffn_dim=F_MOE, norm_topk_prob=True, mlp_only_layers=(1,))
+BF16 = quant.Recipe(mode="bf16", gemm_backend="xla")
+FP8 = quant.Recipe(mode="fp8", gemm_backend="xla")
+
+
+@pytest.fixture(scope="module")
+def torch_model():
+  c = transformers.Qwen3MoeConfig(
+      vocab_size=V, hidden_size=D, intermediate_size=F_DENSE, moe_intermediate_size=F_MOE, num_hidden_layers=L,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=E, num_experts_per_tok=K_TOP,
+      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], rms_norm_eps=1e-6, tie_word_embeddings=False,
+      rope_parameters={"rope_type": "default", "rope_theta": 1e6}, initializer_range=0.05)
+  torch.manual_seed(0)
+  m = transformers.Qwen3MoeForCausalLM(c).eval()
+  with torch.no_grad():  # norms start at ones and the router at zeros: randomize both so a swap would show
+    for name, p in m.named_parameters():
+      if p.ndim == 1:
+        p.copy_(1.0 + 0.1 * torch.randn_like(p))
+      elif name.endswith("mlp.gate.weight"):
+        p.copy_(0.5 * torch.randn_like(p))
+  return m
+
+
+def _params_from_torch(m) -> dict:
+  sd = {k: v.detach().float().numpy() for k, v in m.state_dict().items()}
+  params = {"embed": sd["model.embed_tokens.weight"], "final_norm": sd["model.norm.weight"],
+            "lm_head": sd["lm_head.weight"], "layers": []}
+  for i in range(L):
+    pre = f"model.layers.{i}."
+    layer = {}
+    for key, shape in schema.layer_shapes(CFG, i).items():
+      row = schema.BY_KEY[key]
+      if row.stacked:
+        continue
+      layer[key] = sd[pre + row.hf + ".weight"]
+      assert layer[key].shape == shape, key
+    if CFG.is_moe_layer(i):
+      gate_up = sd[pre + "mlp.experts.gate_up_proj"]
+      layer["expert_gate"], layer["expert_up"] = gate_up[:, :F_MOE], gate_up[:, F_MOE:]
+      layer["expert_down"] = sd[pre + "mlp.experts.down_proj"]
+    params["layers"].append(layer)
+  return jax.tree.map(jnp.asarray, params)
+
+
+@pytest.fixture(scope="module")
+def params(torch_model):
+  return _params_from_torch(torch_model)
+
+
+def _tokens(b=2, t=24, seed=0):
+  return np.random.default_rng(seed).integers(0, V, (b, t)).astype(np.int32)
+
+
+@fp8jax.jit
+def _logits(p, toks):
+  h, _, aux = llama.forward(p, toks, CFG)
+  return llama.logits(p, h, CFG), aux
+
+
+def _torch_logits(m, toks, dtype):
+  m = copy.deepcopy(m).to(dtype)  # a copy: casting the shared model to BF16 and back would round its weights
+  with torch.no_grad():
+    out = m(torch.as_tensor(toks, dtype=torch.long), output_router_logits=True)
+  return out.logits.float().numpy(), float(out.aux_loss)
+
+
+def test_schema_of_a_moe_config():
+  shapes = schema.param_shapes(CFG)
+  assert [("router" in s, "w_gate" in s) for s in shapes["layers"]] == [(True, False), (False, True), (True, False)]
+  assert shapes["layers"][0]["expert_gate"] == (E, F_MOE, D) and shapes["layers"][0]["expert_down"] == (E, D, F_MOE)
+  assert "router" not in quant.LINEAR_NAMES and {"expert_gate", "expert_up", "expert_down"} <= set(quant.LINEAR_NAMES)
+  dense = 2 * V * D + D
+  attn = 2 * D * 256 + 2 * D * 128 + 2 * 64 + 2 * D
+  expect = dense + L * attn + 2 * (E * D + 3 * E * F_MOE * D) + 3 * D * F_DENSE
+  assert schema.num_params(CFG) == expect
+
+
+def test_bf16_logits_match_transformers(torch_model, params):
+  """BF16 recipe vs transformers in float32, measured against BF16's own noise (transformers in bfloat16).
+
+  Routing adds a hazard dense layers lack: a token whose k-th and (k+1)-th router probabilities nearly tie may pick
+  another expert under BF16 rounding (in either implementation), so the bound is on the mean error relative to the
+  BF16 yardstick (1.5x) and on top-1 agreement; the max error is bounded only loosely (1/8 of max |logit|).
+  """
+  toks = _tokens()
+  ref, aux_ref = _torch_logits(torch_model, toks, torch.float32)
+  tbf, _ = _torch_logits(torch_model, toks, torch.bfloat16)
+  got, aux = _logits(params, toks)
+  got = np.asarray(got)
+  err, yard = np.abs(got - ref), np.abs(tbf - ref)
+  assert err.mean() <= 1.5 * yard.mean() + 1e-6, (err.mean(), yard.mean())
+  assert err.max() <= 0.125 * np.abs(ref).max(), (err.max(), np.abs(ref).max())
+  assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.95
+  # the routing statistics give transformers' Switch load-balancing loss
+  lb = float(moe.load_balancing_loss(list(aux.router), E))
+  assert abs(lb - aux_ref) <= 0.02 * aux_ref, (lb, aux_ref)
+  assert len(aux.router) == 2 and aux.router[0].expert_ids_BxTxK.shape == (2, 24, K_TOP)
+
+
+def test_fp8_close_to_bf16_and_one_engine(params):
+  """FP8 experts (block FP8, router BF16) stay near BF16; the training (FP8Weight) and sampling (QWeight) forms of
+  the FP8 model give the same bits."""
+  toks = _tokens(seed=1)
+  lb, _ = _logits(params, toks)
+  l8, _ = _logits(quant.mark_fp8(params, FP8), toks)
+  lq, _ = _logits(quant.quantize_params(params, FP8), toks)
+  np.testing.assert_array_equal(np.asarray(l8), np.asarray(lq))
+  lb_c = np.asarray(lb) - np.asarray(lb).mean(-1, keepdims=True)
+  l8_c = np.asarray(l8) - np.asarray(l8).mean(-1, keepdims=True)
+  rel = np.linalg.norm(l8_c - lb_c) / np.linalg.norm(lb_c)
+  assert 0 < rel < 0.15, rel  # the dense model's bound (tests/test_model.py) plus routing flips
+  assert isinstance(quant.quantize_params(params, FP8)["layers"][0]["router"], jax.Array)  # router kept BF16
+
+
+def test_rows_do_not_depend_on_the_rest_of_the_batch(params):
+  """Sorting tokens by expert mixes the batch; a sequence's outputs must not depend on its neighbours (the sampler
+  decodes rows in batches that the trainer never sees)."""
+  qp = quant.quantize_params(params, FP8)
+  toks = _tokens(b=4, t=16, seed=2)
+  full, _ = _logits(qp, toks)
+  alone, _ = _logits(qp, toks[2:3])
+  np.testing.assert_array_equal(np.asarray(full)[2:3], np.asarray(alone))
+
+
+def test_gradients_reach_router_and_experts(params):
+  toks = _tokens(seed=3)
+
+  def loss(p):
+    h, _, aux = llama.forward(p, toks, CFG)
+    lp = jax.nn.log_softmax(llama.logits(p, h, CFG)[:, :-1], axis=-1)
+    nll = -jnp.mean(jnp.take_along_axis(lp, toks[:, 1:, None], axis=-1))
+    return nll + 0.01 * moe.load_balancing_loss(list(aux.router), E)
+
+  g = fp8jax.jit(jax.grad(loss))(quant.mark_fp8(params, FP8))
+  g0 = g["layers"][0]
+  for key in ("router", "expert_gate", "expert_up", "expert_down", "wq"):
+    arr = np.asarray(getattr(g0[key], "w", g0[key]))
+    assert np.all(np.isfinite(arr)) and np.abs(arr).max() > 0, key
+
+
+def test_config_errors_name_the_key():
+  base = dict(vocab_size=V, dim=D, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256)
+  with pytest.raises(ValueError, match=r"model\.n_experts_per_tok=3 must be in \[1, model\.n_experts=2\]"):
+    ModelConfig(**base, n_experts=2, n_experts_per_tok=3, moe_ffn_dim=128)
+  with pytest.raises(ValueError, match=r"model\.moe_ffn_dim must be > 0"):
+    ModelConfig(**base, n_experts=2, n_experts_per_tok=1)
+  with pytest.raises(ValueError, match=r"model\.mlp_only_layers=\(5,\)"):
+    ModelConfig(**base, n_experts=2, n_experts_per_tok=1, moe_ffn_dim=128, mlp_only_layers=(5,))
+  with pytest.raises(hf.HFCheckpointError, match=r"model\.n_experts=8: HF import/export of MoE"):
+    hf.hf_param_names(CFG)
+
+
+@pytest.mark.parametrize("recipe,kv", [
+    ("fp8", "bf16"), ("fp8", "fp8"),
+    pytest.param("bf16", "bf16", marks=pytest.mark.xfail(strict=True, reason=(
+        "open: with BF16 experts a few sampled tokens' log-probs differ from the trainer's by ~1e-3 (2026-12-01); "
+        "every piece alone (the MoE block at any batch/length, prefill, token-by-token decode, the router GEMM) "
+        "matched the full forward bit for bit, so the difference is in how the sampler composes them")))])
+def test_sampler_logprobs_equal_trainer_logprobs(params, recipe, kv):
+  """One engine with MoE layers: the sampler's log-probs (QWeight experts, KV cache, decode batches that mix
+  sequences) are the trainer's (FP8Weight, full sequences) on CPU, to the dense model's bound (tests/test_sampler.py:
+  max |dlogp| of a few FP32 ulps, from the log-softmax), with a BF16 or an FP8 KV cache."""
+  rec = FP8 if recipe == "fp8" else BF16
+  from fp8jax import sampler as smp  # noqa: PLC0415
+  from fp8jax.rl import grpo  # noqa: PLC0415
+
+  prompts = [[5, 17, 33, 2, 9], [100, 3, 64, 64, 7, 8, 21, 90, 11], list(range(40, 54))]
+  sp = smp.SamplingParams(temperature=0.8, max_new_tokens=10, seed=0)
+  s = smp.Sampler(CFG, smp.SamplerConfig(slots=4, max_len=32, kv_cache=kv, decode_chunk=4))
+  sparams = smp.prepare_params(params, rec)
+  scales = s.calibrate_kv_scales(sparams, prompts, margin=1.25) if kv == "fp8" else None
+  ro = s.generate(sparams, prompts, sp, n=2, kv_scales=scales)
+  seq, mask, old = ro.sequences()
+  train = fp8jax.jit(lambda p, t, sc: smp.trainer_logprobs(p, t, CFG, temperature=sp.temperature, kv_scales=sc))
+  lp = train(quant.mark_fp8(params, rec), jnp.asarray(seq), scales)
+  m = grpo.mismatch_metrics(jnp.asarray(old), lp, jnp.asarray(mask))
+  assert float(m["nonfinite_tokens"]) == 0 and float(m["max_abs_logp_diff"]) <= 4e-6, m
+  assert float(m["token_mult_prob_error"]) <= 1 + 1e-5, m
