@@ -120,7 +120,7 @@ def grouped_wgrad_tiles(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, num_e
 def grouped_dot_dgrad(ct_MxN, w_ExNxK, group_sizes_E) -> jax.Array:
   """The VJP of ``grouped_dot_reference`` for x: per tile, the transpose of the dense ``invariant_dot`` (so each
   group's rows are bitwise the dense autodiff dx). ``ct_MxN`` is the FP32 cotangent; dx in w's dtype."""
-  m, (e, n, k) = ct_MxN.shape[0], w_ExNxK.shape
+  m, (e, _, k) = ct_MxN.shape[0], w_ExNxK.shape
   dest, tile_expert = layout(group_sizes_E, m)
   a_struct = jax.ShapeDtypeStruct((BLOCK, k), w_ExNxK.dtype)
   tile = lambda ct, _, ei: jax.linear_transpose(lambda a: invariant_dot(a, w_ExNxK[ei]), a_struct)(ct)[0]
