@@ -64,7 +64,7 @@ def spec_for(path, shape, mesh: Mesh) -> P:
   rule = _RULES.get(_leaf_name(path))
   if rule is None or len(shape) != len(rule) or _is_scale(path):
     return P()
-  return P(*[ax if shape[i] % mesh.shape[ax] == 0 else None for i, ax in enumerate(rule)])
+  return P(*[ax if ax is not None and shape[i] % mesh.shape[ax] == 0 else None for i, ax in enumerate(rule)])
 
 
 def tree_shardings(tree, mesh: Mesh):

@@ -210,7 +210,8 @@ def test_export_fp8_convention(arch, recipe, loaded, tmp_path):
   hf.export_fp8(params, cfg, recipe, out)
   qc = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
   kept_layers = [0] if recipe.keep_first_n else []
-  expect_kept = [f"model.layers.{i}.{hf.HF_LAYER_MODULES[n]}" for i in kept_layers for n in quant.LINEAR_NAMES]
+  expect_kept = [f"model.layers.{i}.{hf.HF_LAYER_MODULES[n]}" for i in kept_layers for n in quant.LINEAR_NAMES
+                 if n in params["layers"][i]]  # the dense layer's linears (LINEAR_NAMES also lists MoE experts)
   assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
                 "modules_to_not_convert": expect_kept + ["lm_head"]}
   header = _st(os.path.join(out, "model.safetensors"))
@@ -230,7 +231,7 @@ def test_export_fp8_convention(arch, recipe, loaded, tmp_path):
   # Dequantized export == fp8jax's FP8 weights, exactly (and q, scale bitwise).
   with safe_open(os.path.join(out, "model.safetensors"), "np") as f:
     for i, layer in enumerate(qparams["layers"]):
-      for n in quant.LINEAR_NAMES:
+      for n in (n for n in quant.LINEAR_NAMES if n in layer):
         mod = f"model.layers.{i}.{hf.HF_LAYER_MODULES[n]}"
         if not isinstance(layer[n], quant.QWeight):
           assert mod in qc["modules_to_not_convert"]
