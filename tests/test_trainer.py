@@ -297,3 +297,28 @@ def test_llama8b_recipe_says_what_to_download(tmp_path):
   c.checkpoint.hf_dir = str(tmp_path / "missing")
   with pytest.raises(FileNotFoundError, match="download the HF model"):
     trainer_lib.RLTrainer(c, str(tmp_path))
+
+
+def test_moe_rl_step_with_and_without_the_load_balancing_loss(tmp_path, parity_reward):
+  """configs/tiny_moe_fp8.py through the real loop: one engine holds with MoE layers (sampler == trainer), the
+  routing statistics are logged, and grpo.router_aux_coef adds coef x the load-balancing loss to the step's loss."""
+  from configs import tiny_moe_fp8  # noqa: PLC0415
+
+  def run(coef, sub):
+    c = tiny_moe_fp8.get_config()
+    for k, v in small_config().items():
+      if k not in ("model", "workdir"):
+        c[k] = v
+    c.grpo.router_aux_coef = coef
+    c.grpo.microbatch = c.grpo.num_prompts * c.grpo.num_generations  # one microbatch: loss = pg + coef * lb exactly
+    tr = trainer_lib.RLTrainer(c, str(tmp_path / sub))
+    tr.warmstart()
+    return tr.step(0)
+
+  off, on = run(0.0, "off"), run(0.5, "on")
+  for m in (off, on):
+    assert float(m["token_mult_prob_error"]) <= 1 + 1e-5, m
+    assert 1.0 <= float(m["router_lb_loss"]) <= 4.0, m  # k = 2 balanced, E = 4 all on one expert
+  # same rollout and weights before the step, so the loss differs by exactly the added term (up to FP32 rounding)
+  assert float(on["router_lb_loss"]) == float(off["router_lb_loss"])
+  np.testing.assert_allclose(float(on["loss"]) - float(off["loss"]), 0.5 * float(off["router_lb_loss"]), rtol=1e-4)

@@ -121,9 +121,9 @@ def token_entropy(logits_BxTxV, temperature: float = 1.0):
 
 
 def next_token_logprobs(params, tokens_BxL, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.LinearConfig(), *,
-                        temperature: float = 1.0, kv_scales=None):
+                        temperature: float = 1.0, kv_scales=None, router_mask_BxT=None):
   """The trainer's full-sequence view: (log-prob (B, L-1) of each next token, its entropy, ForwardAux)."""
-  hidden, _, aux = forward(params, tokens_BxL, cfg, lcfg, kv_scales=kv_scales)
+  hidden, _, aux = forward(params, tokens_BxL, cfg, lcfg, kv_scales=kv_scales, router_mask_BxT=router_mask_BxT)
   lg = logits(params, hidden[:, :-1], cfg, lcfg)
   return token_logprobs(lg, tokens_BxL[:, 1:], temperature), token_entropy(lg, temperature), aux
 

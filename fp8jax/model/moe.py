@@ -76,10 +76,10 @@ def moe(p, x_BxTxD, cfg: ModelConfig, lcfg: ops.LinearConfig, mask_BxT=None):
 def load_balancing_loss(stats: list[RouterStats], n_experts: int) -> jax.Array:
   """Switch-Transformer auxiliary loss over all MoE layers, as transformers' ``load_balancing_loss_func``:
   ``E * sum_e (assignments_e / rows) * (probability mass_e / rows)``, with the counts and masses summed over the
-  layers and ``rows`` = layers x tokens. Balanced routing gives k; 0.0 without MoE layers."""
+  layers and ``rows`` = layers x tokens. Balanced routing gives k; 0.0 without MoE layers or counted tokens."""
   if not stats:
     return jnp.float32(0.0)
-  rows = sum(s.rows for s in stats)
+  rows = jnp.maximum(sum(s.rows for s in stats), 1.0)
   counts = sum(s.counts_E for s in stats) / rows
   probs = sum(s.prob_sums_E for s in stats) / rows
   return n_experts * jnp.sum(counts * probs)

@@ -41,7 +41,7 @@ from fp8jax import kvcache, ops, quant, sampler as sampler_lib, sharding
 from fp8jax.checkpoint import Checkpointer, WorkdirLock
 from fp8jax.config_utils import dataclass_from_group
 from fp8jax.metrics import MetricsWriter, plot
-from fp8jax.model import llama
+from fp8jax.model import llama, moe
 from fp8jax.model.config import ModelConfig
 from fp8jax.rl import grpo
 from fp8jax.rl.source import PromptSource
@@ -70,6 +70,9 @@ class GRPOConfig:
   overlong_filter: bool = False
   minibatches: int = 1
   microbatch: int = 64
+  # MoE models only: weight of the Switch load-balancing loss (fp8jax.model.moe) over the trained tokens; 0 = off,
+  # the RL default (the policy's routing is what the rollouts sampled; transformers' SFT default is 0.001).
+  router_aux_coef: float = 0.0
 
   @property
   def batch(self) -> int:
@@ -93,6 +96,8 @@ class GRPOConfig:
       raise ValueError(f"grpo.is_kind={self.is_kind!r} is not one of {grpo.IS_KINDS}")
     if self.agg not in grpo.AGG_KINDS:
       raise ValueError(f"grpo.agg={self.agg!r} is not one of {grpo.AGG_KINDS}")
+    if not self.router_aux_coef >= 0:
+      raise ValueError(f"grpo.router_aux_coef={self.router_aux_coef} must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,23 +142,40 @@ class TrainState:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def sequence_logprobs(params, tokens_BxL, cfg: ModelConfig, lcfg, recipe: quant.Recipe, kv_scales, temperature):
-  """Trainer log-probs (B, L-1) of each next token, FP8 per the recipe, + entropy and per-layer K/V amax.
+def sequence_logprobs(params, tokens_BxL, cfg: ModelConfig, lcfg, recipe: quant.Recipe, kv_scales, temperature,
+                      router_mask_BxL=None):
+  """Trainer log-probs (B, L-1) of each next token, FP8 per the recipe, + entropy and ForwardAux (per-layer K/V
+  amax, MoE routing statistics over ``router_mask_BxL``).
 
   ``params`` are master weights, or already-quantized ones (the frozen reference policy): mark_fp8 keeps QWeights.
   """
   return llama.next_token_logprobs(quant.mark_fp8(params, recipe), tokens_BxL, cfg, lcfg, temperature=temperature,
-                                   kv_scales=kv_scales)
+                                   kv_scales=kv_scales, router_mask_BxT=router_mask_BxL)
+
+
+def _trained_positions(mask_BxT):
+  """(B, L) mask of the positions whose next-token prediction is in the loss (``mask`` is (B, L-1))."""
+  return jnp.pad(mask_BxT, ((0, 0), (0, 1)))
 
 
 def grpo_loss(params, mb, cfg: ModelConfig, lcfg, recipe, gc: GRPOConfig, temperature, n_tok, n_seq):
-  """Loss of one microbatch (summed over microbatches it is the minibatch loss; see grpo.policy_loss)."""
-  logp, ent, aux = sequence_logprobs(params, mb["tokens"], cfg, lcfg, recipe, mb.get("kv_scales"), temperature)
+  """Loss of one microbatch (summed over microbatches it is the minibatch loss; see grpo.policy_loss).
+
+  With ``grpo.router_aux_coef > 0`` (MoE models) the microbatch adds ``coef * lb * tokens_mb / n_tok``, where ``lb``
+  is the load-balancing loss over its trained tokens: summed over microbatches, a token-weighted mean of lb.
+  """
+  logp, ent, aux = sequence_logprobs(params, mb["tokens"], cfg, lcfg, recipe, mb.get("kv_scales"), temperature,
+                                     _trained_positions(mb["mask"]))
   loss, m = grpo.policy_loss(
       logp, mb["old_logp"], mb["adv"], mb["mask"], eps_low=gc.eps_low, eps_high=gc.eps_high,
       dual_clip=gc.dual_clip or None, agg=gc.agg, is_weights_BxT=mb.get("is_weights"),
       ref_logp_BxT=mb.get("ref_logp"), kl_beta=gc.kl_beta, global_token_count=n_tok, global_seq_count=n_seq,
       entropy_BxT=ent)
+  if aux.router:
+    lb = moe.load_balancing_loss(list(aux.router), cfg.n_experts)
+    m = dict(m, router_lb_loss=lb)
+    if gc.router_aux_coef:
+      loss = loss + gc.router_aux_coef * lb * jnp.sum(mb["mask"]) / n_tok
   return loss, (m, aux)
 
 
