@@ -6,11 +6,11 @@ when ``norm_topk_prob``, cast to the activation dtype. The token's ``k`` (token,
 expert (a stable sort, so the order is a function of the routing alone) and the experts run as three grouped GEMMs
 (``ops.grouped_linear``: each expert's rows are a dense block-FP8 GEMM of their own, bitwise what ``ops.linear``
 gives those rows), then each assignment's output is put back in token order, weighted in FP32 (exact: a product of
-two BF16 values) and the ``k`` of a token are added in FP32 one slot after the other, rounded to BF16 once. No
-scatter-add (deterministic on every backend) and no reduce over the k slots: with ``jnp.sum`` (and the product in
-BF16) the decode step's rows came out one BF16 ulp off the training rows on CPU, the compiled combine differing
-with the shape. transformers multiplies in BF16 and adds into a BF16 buffer expert by expert instead; the two
-differ by BF16 rounding only (tests/test_moe.py).
+two BF16 values) and the ``k`` of a token are added in FP32 one slot after the other, rounded to BF16 once. The
+combine has no scatter-add (deterministic on every backend) and no reduce over the k slots: with ``jnp.sum`` (and
+the product in BF16) the decode step's rows came out one BF16 ulp off the training rows on CPU, the compiled
+combine differing with the shape. transformers multiplies in BF16 and adds into a BF16 buffer expert by expert
+instead; the two differ by BF16 rounding only (tests/test_moe.py).
 """
 
 from __future__ import annotations
