@@ -683,8 +683,7 @@ def export_fp8(params: dict, cfg: ModelConfig, recipe: quant.Recipe, out_dir: st
       tensors.append(_Out(mod + ".weight", tuple(w.q.shape), e4m3, _host(w.q, jnp.float8_e4m3fn)))
       tensors.append(_Out(mod + ".weight_scale_inv", tuple(w.scale.shape), f32, _host(w.scale, jnp.float32)))
     else:
-      is_linear = path.rsplit("/", 1)[-1] in quant.LINEAR_NAMES or path == "lm_head"
-      if is_linear:
+      if schema.BY_KEY[path.rsplit("/", 1)[-1]].linear:  # a linear kept BF16 (lm_head included)
         not_converted.append(mod)
       tensors.append(_Out(mod + ".weight", tuple(w.shape), bf16, _host(w, jnp.bfloat16)))
   if ragged:

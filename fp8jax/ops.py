@@ -254,6 +254,13 @@ def _frozen_bwd(cfg, res, dy_MxN):
 _linear_fp8_frozen.defvjp(_frozen_fwd, _frozen_bwd)
 
 
+def _refuse_complex(op: str, x, w):
+  w_dtypes = [a.dtype for a in jax.tree.leaves(w)]
+  if jnp.iscomplexobj(x) or any(jnp.issubdtype(d, jnp.complexfloating) for d in w_dtypes):
+    raise TypeError(f"{op}: complex operands are not supported (x {x.dtype}, weight {w_dtypes}); the FP8/BF16 "
+                    f"casts would silently drop the imaginary part")
+
+
 def linear(x: jax.Array, w, cfg: LinearConfig = LinearConfig()) -> jax.Array:
   """``x_...xK . w^T`` for ``w`` stored (N, K); FP8 or BF16 by the type of ``w`` (module docstring).
 
@@ -264,10 +271,7 @@ def linear(x: jax.Array, w, cfg: LinearConfig = LinearConfig()) -> jax.Array:
     raise ValueError(f"linear: x must have a contraction axis (shape (..., K)), got shape {tuple(x.shape)}")
   if len(w.shape) != 2:
     raise ValueError(f"linear: weight must be 2-D, stored (N, K) = (out, in), got shape {tuple(w.shape)}")
-  w_dtypes = [a.dtype for a in jax.tree.leaves(w)]
-  if jnp.iscomplexobj(x) or any(jnp.issubdtype(d, jnp.complexfloating) for d in w_dtypes):
-    raise TypeError(f"linear: complex operands are not supported (x {x.dtype}, weight {w_dtypes}); the FP8/BF16 "
-                    f"casts would silently drop the imaginary part")
+  _refuse_complex("linear", x, w)
   *lead, k = x.shape
   n = w.shape[0]
   if w.shape[-1] != k:
@@ -416,9 +420,7 @@ def grouped_linear(x_MxK: jax.Array, w, group_sizes_E: jax.Array, cfg: LinearCon
     raise ValueError(f"grouped_linear: QWeight scale must be (E, ceil(N/128), ceil(K/128)) = "
                      f"{(e, quant.num_blocks(n), quant.num_blocks(k))} for q {tuple(w.q.shape)}, got "
                      f"{tuple(w.scale.shape)}")
-  w_dtypes = [a.dtype for a in jax.tree.leaves(w)]
-  if jnp.iscomplexobj(x_MxK) or any(jnp.issubdtype(d, jnp.complexfloating) for d in w_dtypes):
-    raise TypeError(f"grouped_linear: complex operands are not supported (x {x_MxK.dtype}, weight {w_dtypes})")
+  _refuse_complex("grouped_linear", x_MxK, w)
   group_sizes_E = group_sizes_E.astype(jnp.int32)
   if x_MxK.shape[0] == 0:
     return jnp.zeros((0, n), cfg.out_dtype)

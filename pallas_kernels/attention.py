@@ -212,8 +212,8 @@ def attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_
   block_kv = block_kv or key_block()
   if jax.default_backend() != "cpu":
     return _reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, block_kv, tiled=False)
-  return _reference_cpu(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT.astype(jnp.int32), jnp.asarray(qk_scale, jnp.float32),
-                        jnp.asarray(v_scale, jnp.float32), block_kv)
+  return _reference_cpu(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT.astype(jnp.int32),
+                        jnp.asarray(qk_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32), block_kv)
 
 
 def attention_dense(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale):
