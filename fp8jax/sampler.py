@@ -7,8 +7,9 @@ How a batch of requests (prompts x n samples) is generated:
      request: its prompt's KV rows are copied in, and its position is set to the last prompt token, which the decode
      step re-reads to produce the first new token. When a sequence stops (stop token or length), the slot is freed
      and refilled at the next chunk boundary (every ``decode_chunk`` steps; the decode loop runs inside jit);
-  3. each decode step computes ``token_logprobs(logits, token, temperature)`` — the function the trainer uses — for
-     the sampled token. The reported log-prob is that of the temperature-scaled distribution, without top-p/top-k
+  3. each decode step computes the logits and their logsumexp with the trainer's chunked head
+     (``fp8jax.model.head``: the same chunked GEMMs and row statistics) and reports z[token] - logsumexp for the
+     sampled token. The reported log-prob is that of the temperature-scaled distribution, without top-p/top-k
      renormalization, so sampler-vs-trainer mismatch measures numerics only.
 Randomness is per request: the key of generated token i of request r is fold_in(fold_in(key(seed), r), i), so a
 request's completion does not depend on which slot or batch it ran in.
@@ -27,7 +28,7 @@ import numpy as np
 import fp8jax
 from fp8jax import kvcache as kvc
 from fp8jax import ops, quant
-from fp8jax.model import llama
+from fp8jax.model import head, llama
 from fp8jax.model.config import ModelConfig
 
 FINISH_STOP, FINISH_LENGTH = 0, 1
@@ -199,11 +200,12 @@ class Sampler:
       active = st.slot_req >= 0
       hidden, cache, _ = llama.forward(params, st.slot_tok[:, None], c, self.lcfg,
                                        positions_BxT=st.slot_pos[:, None], cache=st.cache)
-      lg = llama.logits(params, hidden, c, self.lcfg)[:, 0]
+      lp_temp = sp.temperature if not sp.greedy else 1.0
+      lg, lse = head.logits_and_lse(head.head_weight(params, c.tie_embeddings), hidden[:, 0], self.lcfg, lp_temp)
       keys = jax.vmap(lambda r, g: jax.random.fold_in(jax.random.fold_in(base_key, r), g))(
           jnp.maximum(st.slot_req, 0), st.slot_gen)
       tok = sample_tokens(keys, lg, sp)
-      lp = llama.token_logprobs(lg, tok, sp.temperature if not sp.greedy else 1.0)
+      lp = head.token_logprob(lg, lse, tok, lp_temp)
       req = jnp.where(active, st.slot_req, st.out_tok.shape[0])  # inactive slots write out of range -> dropped
       out_tok = st.out_tok.at[req, st.slot_gen].set(tok, mode="drop")
       out_lp = st.out_lp.at[req, st.slot_gen].set(lp, mode="drop")

@@ -17,7 +17,8 @@ the live bytes (the K/V rows each slot actually needs, read once), against the m
 
 --train_step: loss = mean next-token NLL of a 2-layer model at Llama-3.1-8B width (FP8 recipe, remat), value and
 grad, for each attention implementation in its own process (peak_bytes_in_use is per process): step time (median of
-3 after warm-up) and peak device memory.
+3 after warm-up) and peak device memory. ``--impls`` entries may add ``+whole_head`` (the unchunked output head: one
+(N, V) logits tensor and whole-row log-softmax, as before fp8jax.model.head) and ``+bf16`` (the BF16 recipe).
 """
 
 from __future__ import annotations
@@ -172,10 +173,23 @@ def decode_rows(slots=256, max_len=1536, mean_ctx=1024):
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _train_step_child(impl: str, seqs: int, seq_len: int, layers: int):
-  from fp8jax import quant  # noqa: PLC0415
-  from fp8jax.model import ModelConfig, init_params, llama  # noqa: PLC0415
+def _whole_head(w, h_NxD, tokens_N, lcfg, temperature=1.0):
+  """The head before the chunked one: one (N, V) FP32 logits GEMM, whole-row log-softmax (benchmark-local)."""
+  import dataclasses  # noqa: PLC0415
+  from fp8jax.model import head  # noqa: PLC0415
+  lg = ops.linear(h_NxD, w, dataclasses.replace(lcfg, out_dtype="float32"))
+  return head.reference_logprobs_and_entropy(lg, tokens_N, temperature)
 
+
+def _train_step_child(impl_spec: str, seqs: int, seq_len: int, layers: int):
+  """impl_spec = attention ('ours' | 'cudnn' | 'xla_einsum') + optional '+whole_head' (the unchunked output head)
+  and '+bf16' (the BF16 recipe instead of FP8)."""
+  from fp8jax import quant  # noqa: PLC0415
+  from fp8jax.model import ModelConfig, head, init_params, llama  # noqa: PLC0415
+
+  impl, *variants = impl_spec.split("+")
+  if "whole_head" in variants:
+    head.logprobs_and_entropy = _whole_head
   if impl in ("cudnn", "xla_einsum"):  # the same model code on another attention (benchmark-local substitution)
     kind = "cudnn" if impl == "cudnn" else "xla"
 
@@ -189,7 +203,7 @@ def _train_step_child(impl: str, seqs: int, seq_len: int, layers: int):
                     ffn_dim=14336, rope_theta=500000.0, max_seq_len=seq_len, remat=True,
                     attn_backend="pallas" if impl == "ours" else "xla")
   params = init_params(cfg, seed=0)
-  recipe = quant.Recipe()
+  recipe = quant.Recipe(mode="bf16" if "bf16" in variants else "fp8")
   lcfg = ops.LinearConfig.from_recipe(recipe)
   toks = jax.random.randint(jax.random.key(1), (seqs, seq_len), 0, cfg.vocab_size)
 
@@ -207,7 +221,7 @@ def _train_step_child(impl: str, seqs: int, seq_len: int, layers: int):
     val, _ = jax.block_until_ready(step(params, toks))
     ts.append(time.perf_counter() - t0)
   stats = jax.devices()[0].memory_stats() or {}
-  return {"impl": impl, "seqs": seqs, "seq_len": seq_len, "layers": layers, "step_s": statistics.median(ts),
+  return {"impl": impl_spec, "seqs": seqs, "seq_len": seq_len, "layers": layers, "step_s": statistics.median(ts),
           "first_call_s": compile_s, "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "loss": float(val),
           "gemm_backends": ops.backend_report()}
 

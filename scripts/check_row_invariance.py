@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from fp8jax import attention as attn  # noqa: E402
 from fp8jax import kvcache, ops, quant  # noqa: E402
-from fp8jax.model import layers, llama  # noqa: E402
+from fp8jax.model import head, layers  # noqa: E402
 from fp8jax.model.config import ModelConfig  # noqa: E402
 
 M_DECODE = 64
@@ -37,7 +37,7 @@ def _ops(d: int, vocab: int):
   """name -> (fn over row-batched arrays, list of per-row input shapes and dtypes) for one model width."""
   k = jax.random.key(d)
   norm_w = 1 + 0.1 * jax.random.normal(k, (d,), jnp.float32)
-  head = (0.02 * jax.random.normal(jax.random.fold_in(k, 1), (vocab, d), jnp.float32)).astype(jnp.bfloat16)
+  head_w = (0.02 * jax.random.normal(jax.random.fold_in(k, 1), (vocab, d), jnp.float32)).astype(jnp.bfloat16)
   w_fp8 = quant.quantize_weight(0.02 * jax.random.normal(jax.random.fold_in(k, 2), (3 * d, d), jnp.float32))
   cfg = ModelConfig(vocab_size=vocab, dim=d, n_layers=1, n_heads=d // 128, n_kv_heads=max(1, d // 512),
                     head_dim=128, ffn_dim=4 * d, rope_theta=500000.0, rope_scaling=(8.0, 1.0, 4.0, 8192))
@@ -48,13 +48,13 @@ def _ops(d: int, vocab: int):
       "rope (positions as rows)": (lambda x, p: layers.apply_rope(x[:, None], p[:, None], inv)[:, 0],
                                    [((cfg.n_heads, 128), bf), ((), jnp.int32)]),
       "silu(gate) * up": (lambda g, u: (jax.nn.silu(g.astype(jnp.float32)).astype(bf) * u), [((4 * d,), bf)] * 2),
-      "linear bf16 (lm_head)": (lambda x: ops.linear(x, head, ops.LinearConfig(out_dtype="float32")),
+      "linear bf16 (lm_head)": (lambda x: ops.linear(x, head_w, ops.LinearConfig(out_dtype="float32")),
                                 [((d,), bf)]),
       "linear fp8 (qkv-like)": (lambda x: ops.linear(x, w_fp8), [((d,), bf)]),
-      "log_softmax[token]": (lambda lg, t: llama.token_logprobs(lg, t), [((vocab,), jnp.float32), ((), jnp.int32)]),
-      "entropy": (lambda lg: llama.token_entropy(lg), [((vocab,), jnp.float32)]),
-      "lm_head + log_softmax[token]": (lambda x, t: llama.token_logprobs(
-          ops.linear(x, head, ops.LinearConfig(out_dtype="float32")), t), [((d,), bf), ((), jnp.int32)]),
+      "head: log p(token), entropy": (lambda x, t: jnp.stack(head.logprobs_and_entropy(head_w, x, t), -1),
+                                       [((d,), bf), ((), jnp.int32)]),
+      "head: logits, lse -> log p(token)": (lambda x, t: head.token_logprob(*head.logits_and_lse(head_w, x), t),
+                                             [((d,), bf), ((), jnp.int32)]),
       "kv quantize (codes)": (lambda x: kvcache.quantize_kv(x, jnp.float32(0.01)), [((8, 128), bf)]),
   }
 
@@ -82,7 +82,27 @@ def check(d: int, vocab: int, m_train: int):
       row[f"m{m}_max_abs_diff"] = float(np.nanmax(diff)) if diff.size else 0.0
     rows.append(row)
     print(json.dumps(row), flush=True)
+  rows.append(_sampler_vs_trainer_head(d, vocab, m_train))
+  print(json.dumps(rows[-1]), flush=True)
   return rows
+
+
+def _sampler_vs_trainer_head(d: int, vocab: int, m_train: int):
+  """The one-engine question for the head itself: the sampler's log-prob (logits_and_lse + token_logprob) at
+  decode M vs the trainer's (logprobs_and_entropy) at training M, for the same rows."""
+  fns = _ops(d, vocab)
+  train_fn, _ = fns["head: log p(token), entropy"]
+  samp_fn, specs = fns["head: logits, lse -> log p(token)"]
+  args = [_rand(jax.random.key(i), s, dt, m_train, vocab if dt == jnp.int32 else 0) for i, (s, dt) in
+          enumerate(specs)]
+  full = np.asarray(fp8jax.jit(train_fn)(*args))[:, 0]
+  row = {"op": "head: sampler (M) vs trainer (8192)", "d": d, "vocab": vocab}
+  for m in (M_DECODE, 1):
+    idx = np.random.default_rng(m).choice(m_train, m, replace=False)
+    diff = np.abs(np.asarray(fp8jax.jit(samp_fn)(*[a[idx] for a in args])) - full[idx])
+    row[f"m{m}_rows_differ"] = float(np.mean(diff != 0))
+    row[f"m{m}_max_abs_diff"] = float(np.max(diff))
+  return row
 
 
 def main():

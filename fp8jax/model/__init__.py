@@ -1,4 +1,4 @@
-"""The model function (Llama-3.x / Qwen3 dense), its config and its parameter schema.
+"""The model function (Llama-3.x / Qwen3, dense or MoE), its chunked output head, its config and its parameter schema.
 
 The names below are imported on first use (PEP 562), so ``fp8jax.model.schema``, which ``quant`` and ``sharding``
 import, does not pull in the model code (and its imports of ``quant``) while those modules are being initialized.
@@ -9,7 +9,7 @@ import importlib as _importlib
 _EXPORTS = {
     "ModelConfig": "config", "num_params": "schema", "param_shapes": "schema", "ForwardAux": "llama",
     "forward": "llama", "init_params": "llama", "logits": "llama", "next_token_logprobs": "llama",
-    "token_entropy": "llama", "token_logprobs": "llama",
+    "logits_and_lse": "head", "logprobs_and_entropy": "head", "token_logprob": "head",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from fp8jax import kvcache as kvc
 from fp8jax import ops
-from fp8jax.model import schema
+from fp8jax.model import head, schema
 from fp8jax.model.config import ModelConfig
 from fp8jax.model.gqa import attention
 from fp8jax.model.layers import rms_norm, rope_inv_freq
@@ -104,28 +104,24 @@ def forward(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.L
 
 
 def logits(params, hidden_BxTxD, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.LinearConfig()):
-  """FP32 logits of the output head (tied to the embedding when cfg.tie_embeddings)."""
-  head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
-  return ops.linear(hidden_BxTxD, head, dataclasses.replace(lcfg, out_dtype="float32"))
-
-
-def token_logprobs(logits_BxTxV, tokens_BxT, temperature: float = 1.0):
-  """log softmax(logits / temperature)[token]: the one definition the sampler and the trainer share."""
-  lp = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32) / temperature, axis=-1)
-  return jnp.take_along_axis(lp, tokens_BxT[..., None], axis=-1)[..., 0]
-
-
-def token_entropy(logits_BxTxV, temperature: float = 1.0):
-  lp = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32) / temperature, axis=-1)
-  return -jnp.sum(jnp.exp(lp) * lp, axis=-1)
+  """FP32 logits (B, T, V) of the output head (tied to the embedding when cfg.tie_embeddings), computed chunk by
+  chunk over the vocabulary as the sampler and the trainer do (``fp8jax.model.head``)."""
+  *lead, d = hidden_BxTxD.shape
+  lg, _ = head.logits_and_lse(head.head_weight(params, cfg.tie_embeddings), hidden_BxTxD.reshape(-1, d), lcfg)
+  return lg.reshape(*lead, lg.shape[-1])
 
 
 def next_token_logprobs(params, tokens_BxL, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.LinearConfig(), *,
                         temperature: float = 1.0, kv_scales=None, router_mask_BxT=None):
-  """The trainer's full-sequence view: (log-prob (B, L-1) of each next token, its entropy, ForwardAux)."""
+  """The trainer's full-sequence view: (log-prob (B, L-1) of each next token, its entropy, ForwardAux).
+
+  The head is ``head.logprobs_and_entropy``: no (B, L-1, V) logits are held, forward or backward."""
   hidden, _, aux = forward(params, tokens_BxL, cfg, lcfg, kv_scales=kv_scales, router_mask_BxT=router_mask_BxT)
-  lg = logits(params, hidden[:, :-1], cfg, lcfg)
-  return token_logprobs(lg, tokens_BxL[:, 1:], temperature), token_entropy(lg, temperature), aux
+  b, l1 = tokens_BxL.shape[0], tokens_BxL.shape[1] - 1
+  lp, ent = head.logprobs_and_entropy(head.head_weight(params, cfg.tie_embeddings),
+                                      hidden[:, :-1].reshape(b * l1, -1), tokens_BxL[:, 1:].reshape(-1), lcfg,
+                                      temperature)
+  return lp.reshape(b, l1), ent.reshape(b, l1), aux
 
 
 # ------------------------------------------------------------------------------------------------------------------
