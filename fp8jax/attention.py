@@ -35,11 +35,7 @@ def _kernels():
   return attention_triton
 
 
-def _gpu_available() -> bool:
-  try:
-    return jax.devices()[0].platform == "gpu"
-  except RuntimeError:
-    return False
+_gpu_available = ops.gpu_available
 
 
 def resolve_backend(requested: str, q, k) -> str:

@@ -63,6 +63,14 @@ _REPORT: dict[str, str] = {}
 BACKENDS = ("auto", "xla", "pallas")
 
 
+def gpu_available() -> bool:
+  """Whether the first JAX device is a CUDA GPU (where the Pallas Triton kernels run)."""
+  try:
+    return jax.devices()[0].platform == "gpu"
+  except RuntimeError:
+    return False
+
+
 def hopper_available() -> bool:
   """Whether the first JAX device is an sm_90 (Hopper) GPU, where the Pallas FP8 kernels run."""
   try:

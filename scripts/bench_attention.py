@@ -18,7 +18,8 @@ the live bytes (the K/V rows each slot actually needs, read once), against the m
 --train_step: loss = mean next-token NLL of a 2-layer model at Llama-3.1-8B width (FP8 recipe, remat), value and
 grad, for each attention implementation in its own process (peak_bytes_in_use is per process): step time (median of
 3 after warm-up) and peak device memory. ``--impls`` entries may add ``+whole_head`` (the unchunked output head: one
-(N, V) logits tensor and whole-row log-softmax, as before fp8jax.model.head) and ``+bf16`` (the BF16 recipe).
+(N, V) logits tensor and whole-row log-softmax, as before fp8jax.model.head), ``+bf16`` (the BF16 recipe) and
+``+xla_norm`` (XLA's RMSNorm fusions instead of the fixed-tile Pallas kernel).
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ def _whole_head(w, h_NxD, tokens_N, lcfg, temperature=1.0):
 
 def _train_step_child(impl_spec: str, seqs: int, seq_len: int, layers: int):
   """impl_spec = attention ('ours' | 'cudnn' | 'xla_einsum') + optional '+whole_head' (the unchunked output head)
-  and '+bf16' (the BF16 recipe instead of FP8)."""
+  and '+bf16' (the BF16 recipe instead of FP8) and '+xla_norm' (XLA's RMSNorm instead of the fixed-tile kernel)."""
   from fp8jax import quant  # noqa: PLC0415
   from fp8jax.model import ModelConfig, head, init_params, llama  # noqa: PLC0415
 
@@ -201,7 +202,8 @@ def _train_step_child(impl_spec: str, seqs: int, seq_len: int, layers: int):
     attn.attend = other
   cfg = ModelConfig(vocab_size=128256, dim=4096, n_layers=layers, n_heads=32, n_kv_heads=8, head_dim=128,
                     ffn_dim=14336, rope_theta=500000.0, max_seq_len=seq_len, remat=True,
-                    attn_backend="pallas" if impl == "ours" else "xla")
+                    attn_backend="pallas" if impl == "ours" else "xla",
+                    norm_backend="xla" if "xla_norm" in variants else "auto")
   params = init_params(cfg, seed=0)
   recipe = quant.Recipe(mode="bf16" if "bf16" in variants else "fp8")
   lcfg = ops.LinearConfig.from_recipe(recipe)

@@ -38,6 +38,7 @@ class ModelConfig:
   dtype: str = "bfloat16"  # activation / compute dtype; master params are float32
   remat: bool = False  # rematerialize each decoder layer in the backward pass
   attn_backend: str = "auto"  # fp8jax.attention: "auto" (Pallas kernels on a CUDA GPU, else the reference) | "xla" | "pallas"
+  norm_backend: str = "auto"  # RMSNorm: "auto" (the fixed-tile Pallas kernel on a CUDA GPU, else the reference) | ...
   n_experts: int = 0  # 0: every layer dense
   n_experts_per_tok: int = 0
   moe_ffn_dim: int = 0
@@ -51,8 +52,9 @@ class ModelConfig:
         raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}")
-    if self.attn_backend not in ("auto", "xla", "pallas"):
-      raise ValueError(f"model.attn_backend must be 'auto', 'xla' or 'pallas', got {self.attn_backend!r}")
+    for key in ("attn_backend", "norm_backend"):
+      if getattr(self, key) not in ("auto", "xla", "pallas"):
+        raise ValueError(f"model.{key} must be 'auto', 'xla' or 'pallas', got {getattr(self, key)!r}")
     if self.head_dim % 2:
       raise ValueError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
     object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))

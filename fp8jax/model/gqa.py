@@ -27,7 +27,8 @@ def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, la
   k = ops.linear(x_BxTxD, p["wk"], lcfg).reshape(b, t, hkv, hd)
   v = ops.linear(x_BxTxD, p["wv"], lcfg).reshape(b, t, hkv, hd)
   if cfg.qk_norm:
-    q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
+    q, k = (rms_norm(q, p["q_norm"], cfg.norm_eps, cfg.norm_backend),
+            rms_norm(k, p["k_norm"], cfg.norm_eps, cfg.norm_backend))
   q, k = apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq)
   amax = (_amax(k), _amax(v))
 

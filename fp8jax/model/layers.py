@@ -2,34 +2,60 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
+from fp8jax import ops
 from fp8jax.model.config import ModelConfig
+from pallas_kernels import rms_norm as norm_ref
 
-# Rows with max |x| above this are rescaled before mean(x^2): below it, x^2 <= 2**96 and a sum of up to 2**32 of them
-# stays below FP32's max (2**128).
-_RMS_SAFE_AMAX = 2.0**48
+def rms_norm(x, w, eps, backend: str = "auto"):
+  """HF LlamaRMSNorm: normalize in FP32, cast back, then scale (``pallas_kernels.rms_norm.rms_rows``, with its
+  overflow-safe prescale of huge rows).
+
+  On a CUDA GPU ("auto" / "pallas", config key model.norm_backend) the rows go through the fixed-tile Pallas kernel,
+  so that a row's bits do not depend on the number of rows (the sampler's decode rows are the trainer's); its
+  backward is the reference's. Elsewhere, or for widths the kernel does not take (logged, ``ops.backend_report``),
+  the plain-jnp reference."""
+  if _norm_backend(backend, x) == "pallas":
+    return _rms_norm_kernel(x, w, eps)
+  return norm_ref.rms_norm_reference(x, w, eps)
 
 
-def rms_norm(x, w, eps):
-  """HF LlamaRMSNorm: normalize in FP32, cast back, then scale.
+@functools.cache
+def _norm_kernel():
+  from pallas_kernels import rms_norm as kernel  # noqa: PLC0415 (imports the Pallas Triton backend only when asked for)
+  return kernel
 
-  mean(x^2) overflows FP32 once |x| passes ~1e19 (the hidden state then becomes 0; seen with a diverging learning
-  rate), so a row whose max |x| exceeds ``_RMS_SAFE_AMAX`` is first multiplied by a power of two ``s`` that brings
-  it into [0.5, 1) (exact), and normalized as ``xs * rsqrt(mean(xs^2) + eps s^2)``, the same value. Every other row
-  has ``s = 1``, where each operation, and so the result, is bitwise the plain formula. Non-finite rows keep s = 1.
-  """
-  x32 = x.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-  _, exp = jnp.frexp(amax)  # amax = m * 2**exp, m in [0.5, 1)
-  scale = jnp.where((amax > _RMS_SAFE_AMAX) & jnp.isfinite(amax),
-                    jnp.ldexp(jnp.float32(1.0), -jnp.minimum(exp, 126)), jnp.float32(1.0))  # 2**-126: normal
-  xs = x32 * scale
-  y = xs * jax.lax.rsqrt(jnp.mean(xs * xs, axis=-1, keepdims=True) + eps * (scale * scale))
-  return w.astype(x.dtype) * y.astype(x.dtype)
+
+def _norm_backend(requested: str, x) -> str:
+  def probe():
+    if not ops.gpu_available():
+      return False, "no CUDA GPU"
+    why = norm_ref.unsupported(x)
+    return (True, "CUDA GPU") if why is None else (False, f"fallback to the reference: {why}")
+
+  return ops.choose_backend(requested, what="rms_norm", config_key="model.norm_backend", probe=probe, prefix="norm:")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rms_norm_kernel(x, w, eps):
+  return _norm_kernel().rms_norm(x, w, eps)
+
+
+def _rms_norm_kernel_fwd(x, w, eps):
+  return _rms_norm_kernel(x, w, eps), (x, w)
+
+
+def _rms_norm_kernel_bwd(eps, res, g):
+  x, w = res
+  return jax.vjp(lambda x_, w_: norm_ref.rms_norm_reference(x_, w_, eps), x, w)[1](g)
+
+
+_rms_norm_kernel.defvjp(_rms_norm_kernel_fwd, _rms_norm_kernel_bwd)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:

@@ -289,7 +289,8 @@ class RLTrainer:
         raise FileNotFoundError(f"checkpoint.hf_dir={hf_dir!r} is not a directory: download the HF model (config.json, "
                                 f"*.safetensors, tokenizer files) and point --config.checkpoint.hf_dir at it")
       self.cfg = hf.load_config(hf_dir, dtype=config.model.dtype, max_seq_len=config.rollout.max_len)
-      self.cfg = dataclasses.replace(self.cfg, remat=bool(config.model.remat), attn_backend=config.model.attn_backend)
+      self.cfg = dataclasses.replace(self.cfg, remat=bool(config.model.remat), attn_backend=config.model.attn_backend,
+                                     norm_backend=config.model.get("norm_backend", "auto"))
     else:
       self.cfg = ModelConfig.from_config(config.model)
     self.recipe = quant.Recipe.from_config(config.fp8)

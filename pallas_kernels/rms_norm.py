@@ -1,0 +1,93 @@
+"""RMSNorm over the last axis with a fixed tile per row (Pallas, Triton backend): a row's bits do not depend on how
+many rows there are.
+
+Why a kernel: XLA's row-reduction emitter chooses its strategy (threads per row, vectorization, how partial sums
+meet) from the whole shape and the fusion around it, so the same row summed among 64 decode rows and among 4096
+training rows can round differently in FP32; after the rsqrt and the cast to BF16 that shows in roughly one row in
+two thousand (measured on the H200 with ``fp8jax.one_engine.block_divergence``, FP8 + FP8 KV: one MLP-norm row of
+1984 differed by one BF16 ulp, with both inputs bitwise equal). That is enough to make the sampler's log-probs differ
+from the trainer's. Here every program normalizes ``rows_per_tile(D)`` rows (a function of D only) with the same
+tile body, so each row is reduced by the same code in decode, prefill and training.
+
+Numerics: ``rms_rows`` is the one definition, used by the plain-jnp reference (whole arrays) and by the kernel body
+(one tile): HF's LlamaRMSNorm (normalize in FP32, cast, then scale by the weight), with a power-of-two prescale of
+rows whose max |x| exceeds ``SAFE_AMAX`` so that mean(x^2) cannot overflow FP32 (exact; every other row has scale 1,
+where each operation is the plain formula's). The scale is built from the exponent bits (no frexp), so the body
+lowers to Triton as it is.
+
+Shapes: D a power of two from 64 to 16384 (``unsupported`` says why not otherwise; the caller then runs the
+reference and logs it); any number of rows (padded with zero rows to the tile height).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# Rows with max |x| above this are rescaled before mean(x^2): below it, x^2 <= 2**96 and a sum of up to 2**32 of them
+# stays below FP32's max (2**128).
+SAFE_AMAX = 2.0**48
+TILE_ELEMS = 8192  # FP32 elements of x per program: 64 registers per thread at 4 warps
+NUM_WARPS = 4
+
+
+def rms_rows(x, w, eps: float):
+  """RMSNorm of each row of ``x`` (..., D) by ``w`` (D,) or (1, D), in x's dtype (module docstring)."""
+  x32 = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+  # amax = m * 2**e with m in [0.5, 1): e = exponent field - 126; scale = 2**-min(e, 126) (a normal number)
+  field = lax.shift_right_logical(lax.bitcast_convert_type(amax, jnp.int32), jnp.int32(23))
+  pow2 = lax.bitcast_convert_type(lax.shift_left(jnp.maximum(253 - field, 1), jnp.int32(23)), jnp.float32)
+  scale = jnp.where((amax > SAFE_AMAX) & (amax < jnp.inf), pow2, jnp.float32(1.0))  # NaN / inf rows: scale 1
+  xs = x32 * scale
+  y = xs * lax.rsqrt(jnp.mean(xs * xs, axis=-1, keepdims=True) + eps * (scale * scale))
+  return w.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rms_norm_reference(x, w, eps: float):
+  """Plain jnp over the whole array (the CPU path and the kernel's reference)."""
+  return rms_rows(x, w, eps)
+
+
+def rows_per_tile(d: int) -> int:
+  return max(1, min(64, TILE_ELEMS // d))
+
+
+def unsupported(x) -> str | None:
+  """Why the kernel cannot normalize ``x``'s rows, or None."""
+  d = x.shape[-1]
+  if d < 64 or d > 16384 or d & (d - 1):
+    return f"RMSNorm width {d} (shape {tuple(x.shape)}) is not a power of two in [64, 16384]"
+  return None
+
+
+def _kernel(x_ref, w_ref, o_ref, *, eps: float):
+  o_ref[...] = rms_rows(x_ref[...], w_ref[...], eps)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def rms_norm(x, w, eps: float, *, interpret: bool = False):
+  """RMSNorm of ``x`` (..., D) by ``w`` (D,): the reference's math, one fixed tile per ``rows_per_tile(D)`` rows."""
+  why = unsupported(x)
+  if why is not None:
+    raise ValueError(f"rms_norm kernel: {why}")
+  *lead, d = x.shape
+  x2 = x.reshape(-1, d)
+  m, r = x2.shape[0], rows_per_tile(d)
+  mp = -(-max(m, 1) // r) * r
+  x2 = jnp.pad(x2, ((0, mp - m), (0, 0)))
+  out = pl.pallas_call(
+      functools.partial(_kernel, eps=eps),
+      out_shape=jax.ShapeDtypeStruct((mp, d), x.dtype),
+      grid=(mp // r,),
+      in_specs=[pl.BlockSpec((r, d), lambda i: (i, 0)), pl.BlockSpec((1, d), lambda i: (0, 0))],
+      out_specs=pl.BlockSpec((r, d), lambda i: (i, 0)),
+      compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+      interpret=interpret,
+  )(x2, w.reshape(1, d))
+  return out[:m].reshape(x.shape)

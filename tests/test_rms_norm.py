@@ -1,0 +1,143 @@
+"""RMSNorm: the fixed-tile Pallas kernel (pallas_kernels.rms_norm) vs its plain-jnp reference, the reference vs HF's
+formula, the model-side dispatch (fp8jax.model.layers.rms_norm) and its gradient.
+
+CPU (CI): interpret mode (the kernel body on CPU), lowering for ``cuda``; GPU (``-m gpu``): the compiled kernel and
+its batch invariance (a row's bits among 1, 64 or 4096 rows)."""
+
+import functools
+import types
+
+import fp8jax  # noqa: F401  (first: XLA flags)
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp8jax import ops
+from fp8jax.model import layers
+from pallas_kernels import rms_norm as kern
+
+EPS = 1e-5
+
+
+def _rows(seed, m, d, dtype=jnp.bfloat16):
+  """Random rows at magnitudes 1e-3 .. 1e3, one huge row (above SAFE_AMAX), one with NaN, one with inf, one zero."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((m, d)) * np.exp(rng.uniform(-7, 7, (m, 1)))
+  if m >= 5:
+    x[1] *= 1e20
+    x[2, 3] = np.nan
+    x[3, 0] = np.inf
+    x[4] = 0.0
+  w = 1 + 0.1 * rng.standard_normal(d)
+  return jnp.asarray(x, jnp.float32).astype(dtype), jnp.asarray(w, jnp.float32)
+
+
+def _hf_formula(x, w, eps):
+  """HF LlamaRMSNorm with an frexp/ldexp prescale of rows above 2**48 (the model's formula before the kernel)."""
+  x32 = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+  _, e = jnp.frexp(amax)
+  s = jnp.where((amax > 2.0**48) & jnp.isfinite(amax), jnp.ldexp(jnp.float32(1.0), -jnp.minimum(e, 126)), 1.0)
+  xs = x32 * s
+  y = xs * jax.lax.rsqrt(jnp.mean(xs * xs, axis=-1, keepdims=True) + eps * (s * s))
+  return w.astype(x.dtype) * y.astype(x.dtype)
+
+
+def _close_bf16(got, want):
+  """Equal NaN positions; elsewhere within one BF16 ulp (a few FP32 ulps): FP32 sums in another order."""
+  g, r = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  np.testing.assert_array_equal(np.isnan(g), np.isnan(r))
+  ok = ~np.isnan(r)
+  ulp = 2.0 ** -7 if got.dtype == jnp.bfloat16 else 2.0 ** -20  # FP32: a few roundings after the sum
+  np.testing.assert_array_less(np.abs(g - r)[ok], ulp * np.maximum(np.abs(r[ok]), 1e-30) + 1e-30)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_reference_is_the_hf_formula_bitwise(dtype):
+  x, w = _rows(0, 40, 256, dtype)
+  np.testing.assert_array_equal(np.asarray(jax.jit(kern.rms_norm_reference, static_argnums=2)(x, w, EPS), np.float32),
+                                np.asarray(jax.jit(_hf_formula, static_argnums=2)(x, w, EPS), np.float32))
+  assert bool(jnp.all(jnp.isfinite(kern.rms_norm_reference(x, w, EPS)[1])))  # the huge row did not overflow
+
+
+@pytest.mark.parametrize("m", [1, 7, 130])
+@pytest.mark.parametrize("d", [64, 128, 1024])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_interpret_matches_reference(m, d, dtype):
+  x, w = _rows(m + d, m, d, dtype)
+  got = kern.rms_norm(x, w, EPS, interpret=True)
+  assert got.shape == x.shape and got.dtype == x.dtype
+  _close_bf16(got, kern.rms_norm_reference(x, w, EPS))
+
+
+def test_leading_axes_are_rows():
+  x, w = _rows(3, 24, 128)
+  x4 = x.reshape(2, 3, 4, 128)
+  np.testing.assert_array_equal(np.asarray(kern.rms_norm(x4, w, EPS, interpret=True), np.float32),
+                                np.asarray(kern.rms_norm(x, w, EPS, interpret=True), np.float32).reshape(x4.shape))
+
+
+@pytest.mark.parametrize("d", [48, 96, 200, 32768])
+def test_unsupported_width_is_named(d):
+  x = jnp.ones((2, d), jnp.bfloat16)
+  assert str(d) in kern.unsupported(x)
+  with pytest.raises(ValueError, match=f"RMSNorm width {d}"):
+    kern.rms_norm(x, jnp.ones((d,)), EPS, interpret=True)
+
+
+def test_dispatch_cpu_and_errors():
+  x, w = _rows(4, 8, 128)
+  np.testing.assert_array_equal(np.asarray(layers.rms_norm(x, w, EPS), np.float32),
+                                np.asarray(kern.rms_norm_reference(x, w, EPS), np.float32))
+  if not ops.gpu_available():
+    with pytest.raises(RuntimeError, match="model.norm_backend='pallas' cannot run here"):
+      layers.rms_norm(x, w, EPS, "pallas")
+  with pytest.raises(ValueError, match="norm_backend"):
+    layers.rms_norm(x, w, EPS, "cuda")
+  with pytest.raises(ValueError, match="model.norm_backend"):
+    from fp8jax.model import ModelConfig  # noqa: PLC0415
+    ModelConfig(vocab_size=8, dim=64, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=64, ffn_dim=128,
+                norm_backend="triton")
+
+
+def test_kernel_path_gradient_is_the_reference_gradient(monkeypatch):
+  """The model's kernel path (forced here, the kernel in interpret mode): values within one ulp of the reference,
+  gradients those of the reference."""
+  monkeypatch.setattr(ops, "gpu_available", lambda: True)
+  monkeypatch.setattr(layers, "_norm_kernel", lambda: types.SimpleNamespace(
+      rms_norm=functools.partial(kern.rms_norm, interpret=True)))
+  x, w = _rows(5, 12, 128, jnp.float32)
+  x = jnp.where(jnp.isfinite(x), x, 0.0)
+  g = jax.random.normal(jax.random.key(0), x.shape)
+  _close_bf16(layers.rms_norm(x, w, EPS, "pallas"), kern.rms_norm_reference(x, w, EPS))
+  got = jax.grad(lambda x_, w_: jnp.sum(layers.rms_norm(x_, w_, EPS, "pallas") * g), argnums=(0, 1))(x, w)
+  want = jax.grad(lambda x_, w_: jnp.sum(kern.rms_norm_reference(x_, w_, EPS) * g), argnums=(0, 1))(x, w)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  assert "norm:pallas->pallas" in ops.backend_report()
+
+
+@pytest.mark.parametrize("d", [128, 4096])
+def test_lowers_for_cuda(d):
+  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=dev)
+  with jax.sharding.use_abstract_mesh(mesh):
+    f = functools.partial(kern.rms_norm, eps=EPS)
+    txt = jax.jit(f).trace(jax.ShapeDtypeStruct((300, d), jnp.bfloat16),
+                           jax.ShapeDtypeStruct((d,), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triton" in txt
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ops.gpu_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [128, 1024, 4096])
+def test_gpu_matches_reference_and_rows_are_batch_invariant(d):
+  x, w = _rows(d, 4096, d)
+  full = kern.rms_norm(x, w, EPS)
+  _close_bf16(full, jax.jit(kern.rms_norm_reference, static_argnums=2)(x, w, EPS))
+  for m in (1, 64, 1000):
+    idx = jnp.asarray(np.random.default_rng(m).choice(4096, m, replace=False))
+    np.testing.assert_array_equal(np.asarray(kern.rms_norm(x[idx], w, EPS), np.float32),
+                                  np.asarray(full[idx], np.float32))
