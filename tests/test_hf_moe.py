@@ -309,3 +309,45 @@ def test_ragged_experts_are_written_bf16_as_one_module(tmp_path):
   back = hf.load_params(str(tmp_path), hf.load_config(str(tmp_path)))
   np.testing.assert_array_equal(np.asarray(back["layers"][0]["expert_up"]),
                                 np.asarray(params["layers"][0]["expert_up"].astype(jnp.bfloat16), np.float32))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The Qwen3-30B-A3B recipes
+# ------------------------------------------------------------------------------------------------------------------
+
+# The fields of Qwen/Qwen3-30B-A3B's config.json on the Hub (transformers 4.51 wrote it) that fix the architecture.
+QWEN3_30B_A3B_HUB = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "rope_scaling": None,
+    "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False, "max_position_embeddings": 40960,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "num_experts": 128, "num_experts_per_tok": 8}
+
+
+def test_qwen3_30b_a3b_recipes_are_the_real_model(tmp_path):
+  """Both recipes' model is the Hub's config.json (read by hf.load_config) and has the real model's parameter count:
+  fp8jax's schema and transformers' Qwen3MoeForCausalLM (built from the config fp8jax exports, on the meta device)
+  count the same 30,532,122,624. The FP8 recipe runs its GEMMs on the XLA reference (no grouped Pallas kernel)."""
+  import dataclasses  # noqa: PLC0415
+
+  from configs import qwen3_30b_a3b_bf16, qwen3_30b_a3b_fp8  # noqa: PLC0415
+
+  c8, cb = qwen3_30b_a3b_fp8.get_config(), qwen3_30b_a3b_bf16.get_config()
+  assert (c8.fp8.mode, c8.fp8.gemm_backend, cb.fp8.mode, cb.fp8.kv_cache) == ("fp8", "xla", "bf16", "bf16")
+  assert c8.model == cb.model and c8.grpo == cb.grpo
+  cfg = ModelConfig.from_config(c8.model)
+  os.makedirs(tmp_path / "hub")
+  json.dump(QWEN3_30B_A3B_HUB, open(tmp_path / "hub" / "config.json", "w"))
+  hub = hf.load_config(str(tmp_path / "hub"), max_seq_len=cfg.max_seq_len)
+  assert dataclasses.replace(cfg, remat=False) == hub
+  assert schema.num_params(cfg) == 30_532_122_624
+  os.makedirs(tmp_path / "ours")
+  json.dump(hf.hf_config_dict(cfg), open(tmp_path / "ours" / "config.json", "w"))
+  with torch.device("meta"):
+    m = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path / "ours"))
+  assert sum(p.numel() for p in m.parameters()) == schema.num_params(cfg)
+  from fp8jax.rl import trainer as trainer_lib  # noqa: PLC0415
+
+  with pytest.raises(FileNotFoundError, match="data.path"):  # the trainer takes the recipe, says what to download
+    trainer_lib.RLTrainer(c8, str(tmp_path / "run"))
