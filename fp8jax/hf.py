@@ -1,13 +1,17 @@
 """Hugging Face checkpoints in and out: config, safetensors weights, tokenizer; BF16 and block-FP8 export.
 
 Import (a local HF directory; nothing is downloaded):
-  ``load_config(dir) -> ModelConfig``    config.json of a LlamaForCausalLM (plain or "llama3" RoPE) or Qwen3ForCausalLM.
+  ``load_config(dir) -> ModelConfig``    config.json of a LlamaForCausalLM (plain or "llama3" RoPE), Qwen3ForCausalLM or
+                                         Qwen3MoeForCausalLM (Qwen3-30B-A3B and the like).
   ``load_params(dir, cfg, dtype=, shardings=)``  safetensors (single file or sharded through the index), read one
                                          tensor at a time and placed directly with its target sharding, so an 8B
                                          model never has two full copies in host memory. Block-FP8 checkpoints
                                          (``weight_scale_inv`` next to an E4M3 ``weight``) load as master weights
                                          that fp8jax's quantizer maps back to exactly the stored codes and scales
                                          (``block_fp8_master``), so export -> import -> export is exact.
+                                         MoE experts are one tensor per expert on disk (``mlp.experts.{e}.gate_proj``,
+                                         what save_pretrained and the Hub checkpoints hold), stacked into the schema's
+                                         (E, out, in) leaves on load and cut back into experts on export.
   ``load_tokenizer(dir) -> Tokenizer``   tokenizer.json + tokenizer_config.json through ``tokenizers`` and jinja2,
                                          rendering chat templates the way transformers does.
 Export:
@@ -30,6 +34,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 from collections.abc import Callable
 from typing import Any
@@ -49,7 +54,7 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 # Files a tokenizer may consist of (copied verbatim on export when present).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "tokenizer.model", "added_tokens.json", "generation_config.json")
@@ -135,18 +140,43 @@ def load_config(hf_dir: str, *, dtype: str = "bfloat16", max_seq_len: int | None
   n_heads = int(need("num_attention_heads"))
   dim = int(need("hidden_size"))
   theta, scaling = _rope(c, path)
-  return ModelConfig(
-      vocab_size=int(need("vocab_size")), dim=dim, n_layers=int(need("num_hidden_layers")), n_heads=n_heads,
-      n_kv_heads=int(c.get("num_key_value_heads") or n_heads), head_dim=int(c.get("head_dim") or dim // n_heads),
-      ffn_dim=int(need("intermediate_size")), norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-      rope_scaling=scaling, tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-      qk_norm=ARCHITECTURES[arch] == "qwen3",
-      max_seq_len=int(max_seq_len or c.get("max_position_embeddings", 8192)), dtype=dtype)
+  family = ARCHITECTURES[arch]
+  moe = {}
+  if family == "qwen3_moe":
+    # transformers 5 writes the expert count as num_local_experts (num_experts is its alias); the Hub's num_experts.
+    n_exp = c.get("num_experts", c.get("num_local_experts"))
+    if n_exp is None:
+      raise HFCheckpointError(f"{path}: key 'num_experts' is missing (nor is 'num_local_experts' there)")
+    moe = dict(n_experts=int(n_exp), n_experts_per_tok=int(need("num_experts_per_tok")),
+               moe_ffn_dim=int(need("moe_intermediate_size")),
+               # transformers' Qwen3MoeConfig defaults: no renormalization, every layer sparse, no dense-only layers
+               norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+               decoder_sparse_step=int(c.get("decoder_sparse_step", 1)),
+               mlp_only_layers=tuple(c.get("mlp_only_layers") or ()))
+  try:
+    return ModelConfig(
+        vocab_size=int(need("vocab_size")), dim=dim, n_layers=int(need("num_hidden_layers")), n_heads=n_heads,
+        n_kv_heads=int(c.get("num_key_value_heads") or n_heads), head_dim=int(c.get("head_dim") or dim // n_heads),
+        ffn_dim=int(need("intermediate_size")), norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+        rope_scaling=scaling, tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        max_seq_len=int(max_seq_len or c.get("max_position_embeddings", 8192)), dtype=dtype, **moe)
+  except ValueError as e:  # ModelConfig's check, named by its field: say which file it came from
+    raise HFCheckpointError(f"{path}: {e}") from None
+
+
+def _hf_architecture(cfg: ModelConfig) -> str:
+  if cfg.n_experts and not cfg.qk_norm:
+    raise HFCheckpointError(f"export: model.n_experts={cfg.n_experts} with model.qk_norm=False has no HF "
+                            f"architecture (Qwen3MoeForCausalLM always has q/k norms)")
+  return "Qwen3MoeForCausalLM" if cfg.n_experts else "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
 
 
 def hf_config_dict(cfg: ModelConfig, *, extra: dict | None = None) -> dict:
-  """ModelConfig -> an HF config.json dict (LlamaForCausalLM, or Qwen3ForCausalLM when cfg.qk_norm)."""
-  qwen = cfg.qk_norm
+  """ModelConfig -> an HF config.json dict (LlamaForCausalLM, Qwen3ForCausalLM when cfg.qk_norm, or
+  Qwen3MoeForCausalLM when cfg.n_experts)."""
+  qwen, moe = cfg.qk_norm, cfg.n_experts > 0
+  arch = _hf_architecture(cfg)
   rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
   legacy_scaling = None
   if cfg.rope_scaling is not None:
@@ -155,8 +185,7 @@ def hf_config_dict(cfg: ModelConfig, *, extra: dict | None = None) -> dict:
                       "original_max_position_embeddings": ctx}
     rope = {**legacy_scaling, "rope_theta": cfg.rope_theta}
   d = {
-      "architectures": ["Qwen3ForCausalLM" if qwen else "LlamaForCausalLM"],
-      "model_type": "qwen3" if qwen else "llama",
+      "architectures": [arch], "model_type": ARCHITECTURES[arch],
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
       "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
       "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
@@ -165,7 +194,13 @@ def hf_config_dict(cfg: ModelConfig, *, extra: dict | None = None) -> dict:
       "rope_parameters": rope, "rope_theta": cfg.rope_theta, "rope_scaling": legacy_scaling,
       "dtype": "bfloat16", "torch_dtype": "bfloat16", "use_cache": True,
   }
-  if qwen:
+  if moe:
+    d.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
+             num_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_per_tok,
+             moe_intermediate_size=cfg.moe_ffn_dim, norm_topk_prob=cfg.norm_topk_prob,
+             decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
+             output_router_logits=False)
+  elif qwen:
     d.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
              layer_types=["full_attention"] * cfg.n_layers)
   else:
@@ -180,19 +215,44 @@ def hf_config_dict(cfg: ModelConfig, *, extra: dict | None = None) -> dict:
 
 
 def hf_param_names(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-  """fp8jax param path ("layers/3/wq", "embed") -> (HF tensor name, shape), in params order."""
-  if cfg.n_experts:
-    raise HFCheckpointError(f"model.n_experts={cfg.n_experts}: HF import/export of MoE (Qwen3-MoE) checkpoints is not "
-                            "implemented yet (issue 17, step 4); dense Llama / Qwen3 only")
-  shapes = llama.param_shapes(cfg)
-  out = {"embed": (HF_TOP_MODULES["embed"] + ".weight", tuple(shapes["embed"]))}
-  for i, layer in enumerate(shapes["layers"]):
-    for name, shape in layer.items():
-      out[f"layers/{i}/{name}"] = (f"model.layers.{i}.{HF_LAYER_MODULES[name]}.weight", tuple(shape))
-  for name in ("final_norm", "lm_head"):
-    if name in shapes:
-      out[name] = (HF_TOP_MODULES[name] + ".weight", tuple(shapes[name]))
+  """fp8jax path ("layers/3/wq", "embed") -> (HF tensor name, shape) of every tensor on disk, in params order.
+
+  A stacked row (MoE experts, ``schema.Param.stacked``) is one tensor per expert on disk: its entries' paths end
+  with the expert index ("layers/0/expert_gate/5" -> "model.layers.0.mlp.experts.5.gate_proj.weight", ``_parts``)
+  and their shapes are one expert's.
+  """
+  out = {}
+
+  def add(path: str, prefix: str, row: schema.Param):
+    for e, (mod, shape) in enumerate(row.hf_tensors(cfg)):
+      out[f"{path}/{e}" if row.stacked else path] = (f"{prefix}{mod}.weight", shape)
+
+  top = {p.key: p for p in schema.TOP if p.present(cfg, None)}
+  add("embed", "", top.pop("embed"))
+  for i in range(cfg.n_layers):
+    for row in schema.LAYER:
+      if row.present(cfg, i):
+        add(f"layers/{i}/{row.key}", f"model.layers.{i}.", row)
+  for key, row in top.items():
+    add(key, "", row)
   return out
+
+
+def _parts(path: str) -> tuple[str, str, int | None]:
+  """"layers/0/expert_gate/5" -> ("layers/0/expert_gate", "expert_gate", 5): the leaf's path, its schema key and
+  the expert index (None for a whole leaf)."""
+  head, _, last = path.rpartition("/")
+  if last.isdigit() and head.rpartition("/")[2] in schema.BY_KEY:
+    return head, head.rpartition("/")[2], int(last)
+  return path, last, None
+
+
+def _leaf(tree, leaf_path: str):
+  """The node of a params-shaped tree (params, shardings) at a leaf path ("layers/3/wq")."""
+  node = tree
+  for part in leaf_path.split("/"):
+    node = node[int(part)] if isinstance(node, (list, tuple)) else node[part]
+  return node
 
 
 def _weight_files(hf_dir: str) -> tuple[str, dict[str, str] | None]:
@@ -338,10 +398,7 @@ def _sharding_for(shardings, path: str):
     return None
   if callable(shardings):
     return shardings(path)
-  node = shardings
-  for part in path.split("/"):
-    node = node[int(part)] if isinstance(node, (list, tuple)) else node[part]
-  return node
+  return _leaf(shardings, path)
 
 
 def load_params(hf_dir: str, cfg: ModelConfig, *, dtype=jnp.float32,
@@ -363,6 +420,7 @@ def load_params(hf_dir: str, cfg: ModelConfig, *, dtype=jnp.float32,
   if cfg.tie_embeddings and "lm_head.weight" in found:
     skipped.add("lm_head.weight")  # tied: the head is the embedding; some exporters write both
     log.warning("%s: 'lm_head.weight' ignored because tie_word_embeddings is true", found["lm_head.weight"][0])
+  _check_experts(cfg, found, listing, os.path.join(hf_dir, CONFIG_FILE))
   for path, (hf, _) in wanted.items():
     if hf not in found:
       raise HFCheckpointError(f"{listing}: tensor '{hf}' is missing (fp8jax param {path})")
@@ -395,6 +453,14 @@ def load_params(hf_dir: str, cfg: ModelConfig, *, dtype=jnp.float32,
   for hf in hf_to_path:
     by_file.setdefault(found[hf][0], []).append(hf)
   leaves: dict[str, jax.Array] = {}
+  # Stacked rows (MoE experts): one host buffer per leaf, filled expert by expert (the experts of a layer may sit
+  # in different shards), placed once complete; shards hold consecutive layers, so few buffers are open at once.
+  stacks: dict[str, tuple[np.ndarray, set[int]]] = {}
+
+  def place(leaf_path: str, arr: np.ndarray):
+    sharding = _sharding_for(shardings, leaf_path)
+    leaves[leaf_path] = jax.device_put(arr, sharding) if sharding is not None else jnp.asarray(arr)
+
   for file, keys in by_file.items():
     with _open_safetensors(file) as f:
       for hf in keys:
@@ -406,14 +472,49 @@ def load_params(hf_dir: str, cfg: ModelConfig, *, dtype=jnp.float32,
           _check_finite(s, found[sk][0], sk)
           arr = _load_block_fp8(arr, s, file, hf, pow2_scales, exact=np_dtype == jnp.float32)
         _check_finite(arr, file, hf)
-        arr = arr.astype(np_dtype, copy=False)
-        sharding = _sharding_for(shardings, hf_to_path[hf])
-        leaves[hf_to_path[hf]] = jax.device_put(arr, sharding) if sharding is not None else jnp.asarray(arr)
+        leaf_path, key, expert = _parts(hf_to_path[hf])
+        if expert is None:
+          place(leaf_path, arr.astype(np_dtype, copy=False))
+        else:
+          buf, done = stacks.setdefault(leaf_path, (np.empty(schema.BY_KEY[key].shape(cfg), np_dtype), set()))
+          buf[expert] = arr
+          done.add(expert)
+          if len(done) == buf.shape[0]:
+            place(leaf_path, buf)
+            del stacks[leaf_path]
         del arr
   params = {name: leaves[name] for name in ("embed", "final_norm", "lm_head") if name in leaves}
   params["layers"] = [{name: leaves[f"layers/{i}/{name}"] for name in layer}
                       for i, layer in enumerate(llama.param_shapes(cfg)["layers"])]
   return params
+
+
+def _check_experts(cfg: ModelConfig, found: dict, listing: str, config_path: str):
+  """Every stacked row of a MoE layer has exactly experts 0..n_experts-1 on disk, one tensor each."""
+  want = set(range(cfg.n_experts))
+  for i in range(cfg.n_layers):
+    for row in (r for r in schema.LAYER if r.stacked and r.present(cfg, i)):
+      template = f"model.layers.{i}.{row.hf}.weight"
+      pattern = re.compile(re.escape(template).replace(re.escape(schema.EXPERT), r"(\d+)") + "$")
+      have = {int(m.group(1)) for m in map(pattern.match, found) if m}
+      if have == want:
+        continue
+      name = lambda e: template.replace(schema.EXPERT, str(e))  # noqa: E731
+      if not have:
+        stack = f"model.layers.{i}.{row.hf_stack}."
+        other = sorted(k for k in found if k.startswith(stack))
+        raise HFCheckpointError(
+            f"{listing}: tensor '{name(0)}' is missing (fp8jax param layers/{i}/{row.key}/0)" + (
+                f"; found '{other[0]}' instead: experts fused into one tensor (transformers' in-memory layout) are "
+                f"not a checkpoint format fp8jax reads; save_pretrained writes one tensor per expert" if other else ""))
+      if have - want or have == set(range(len(have))):  # another expert count, not a gap
+        first = name(min(have - want)) if have - want else name(len(have))
+        raise HFCheckpointError(
+            f"{listing}: layer {i} has {len(have)} experts in '{template}' (indices {min(have)}..{max(have)}) but "
+            f"{config_path} says num_experts={cfg.n_experts}: tensor '{first}' is "
+            f"{'unexpected' if have - want else 'missing'}")
+      e = min(want - have)
+      raise HFCheckpointError(f"{listing}: tensor '{name(e)}' is missing (fp8jax param layers/{i}/{row.key}/{e})")
 
 
 def _load_block_fp8(q: np.ndarray, s: np.ndarray, file: str, key: str, pow2: bool, exact: bool) -> np.ndarray:
@@ -565,18 +666,21 @@ class _Out:
     return math.prod(self.shape) * _ST_DTYPE_BYTES[self.dtype]
 
 
-def _host(x, dtype) -> Callable[[], np.ndarray]:
-  return lambda: np.asarray(jax.device_get(jnp.asarray(x).astype(dtype)))
+def _out(name: str, x, expert: int | None, dtype) -> _Out:
+  """One tensor to write: ``x``, or expert ``expert`` of a stacked ``x``, cut and cast only when written (so an
+  export never holds a second copy of the experts in device memory)."""
+  def get():
+    y = jnp.asarray(x) if expert is None else jnp.asarray(x)[expert]
+    return np.asarray(jax.device_get(y.astype(dtype)))
+  return _Out(name, tuple(x.shape if expert is None else x.shape[1:]), np.dtype(dtype), get)
 
 
 def _param_items(params: dict, cfg: ModelConfig):
-  """(fp8jax path, HF module name, leaf) in HF order."""
-  names = hf_param_names(cfg)
-  for path, (hf, _) in names.items():
-    node = params
-    for part in path.split("/"):
-      node = node[int(part)] if isinstance(node, list) else node[part]
-    yield path, hf[:-len(".weight")], node
+  """(leaf path, HF module name, leaf, expert index or None) in HF order; a stacked leaf gives one item per
+  expert (the whole leaf each time: ``_out`` cuts it)."""
+  for path, (hf, _) in hf_param_names(cfg).items():
+    leaf_path, _, expert = _parts(path)
+    yield leaf_path, hf[:-len(".weight")], _leaf(params, leaf_path), expert
 
 
 def _write_safetensors(out_dir: str, tensors: list[_Out], max_shard_bytes: int):
@@ -629,15 +733,19 @@ def _write_config(out_dir: str, d: dict):
 
 
 def _check_params(params: dict, cfg: ModelConfig):
-  for path, (hf, shape) in hf_param_names(cfg).items():
-    node = params
+  """The config has an HF architecture and every leaf it implies is there with its shape (a stacked leaf whole)."""
+  _hf_architecture(cfg)
+  for path, (hf, _) in hf_param_names(cfg).items():
+    leaf_path, key, expert = _parts(path)
+    if expert is not None and expert > 0:  # the stacked leaf was checked with expert 0
+      continue
     try:
-      for part in path.split("/"):
-        node = node[int(part)] if isinstance(node, list) else node[part]
+      node = _leaf(params, leaf_path)
     except (KeyError, IndexError):
-      raise HFCheckpointError(f"export: params have no '{path}' (needed for '{hf}')") from None
+      raise HFCheckpointError(f"export: params have no '{leaf_path}' (needed for '{hf}')") from None
+    shape = tuple(schema.BY_KEY[key].shape(cfg))
     if tuple(node.shape) != shape:
-      raise HFCheckpointError(f"export: params '{path}' has shape {tuple(node.shape)}, config implies {shape}")
+      raise HFCheckpointError(f"export: params '{leaf_path}' has shape {tuple(node.shape)}, config implies {shape}")
 
 
 def export_bf16(params: dict, cfg: ModelConfig, out_dir: str, tokenizer_dir: str | None = None, *,
@@ -646,11 +754,10 @@ def export_bf16(params: dict, cfg: ModelConfig, out_dir: str, tokenizer_dir: str
   _check_params(params, cfg)
   os.makedirs(out_dir, exist_ok=True)
   ids = _copy_tokenizer_and_ids(tokenizer_dir, out_dir)
-  bf16 = np.dtype(ml_dtypes.bfloat16)
-  tensors = [_Out(mod + ".weight", tuple(w.shape), bf16, _host(w, jnp.bfloat16))
-             for _, mod, w in _param_items(params, cfg)]
+  config = hf_config_dict(cfg, extra=ids)
+  tensors = [_out(mod + ".weight", w, e, jnp.bfloat16) for _, mod, w, e in _param_items(params, cfg)]
   _write_safetensors(out_dir, tensors, max_shard_bytes)
-  _write_config(out_dir, hf_config_dict(cfg, extra=ids))
+  _write_config(out_dir, config)
 
 
 def export_fp8(params: dict, cfg: ModelConfig, recipe: quant.Recipe, out_dir: str,
@@ -665,27 +772,46 @@ def export_fp8(params: dict, cfg: ModelConfig, recipe: quant.Recipe, out_dir: st
   scale grid is what fp8jax writes and reads, but transformers 5.17 misreads it (refuses to load, or silently
   reads a 144x96 weight as 72x96 blocks: logits off by 0.34 on a tiny model). Such layers are therefore written in
   BF16 (their master weights) and listed in ``modules_to_not_convert``, with a warning, unless ``ragged_fp8``.
+
+  MoE layers: each expert's matrices are written like a dense linear's (``mlp.experts.{e}.gate_proj.weight`` E4M3 +
+  its ``weight_scale_inv``, the slices of the stacked QWeight); the router stays BF16 (never a recipe linear). The
+  experts of a layer are one module to transformers (FP8Experts) and vLLM (FusedMoE), all FP8 or all BF16: a layer
+  whose experts are kept BF16 is listed once, as ``model.layers.{i}.mlp.experts``; a recipe that keeps some of a
+  layer's expert projections and quantizes others is refused (no consumer loads it).
   """
   if recipe.mode != "fp8":
     raise HFCheckpointError(f"export_fp8 needs a recipe with mode='fp8', got mode={recipe.mode!r}")
   _check_params(params, cfg)
+  qparams = quant.quantize_params(params, recipe)
+
+  def as_fp8(w) -> bool:  # whether a quantized leaf is written as FP8 (ragged ones are not, unless ragged_fp8)
+    return isinstance(w, quant.QWeight) and (ragged_fp8 or not any(d % quant.BLOCK for d in w.q.shape[-2:]))
+
+  for i, layer in enumerate(qparams["layers"]):
+    fp8 = {r.key: as_fp8(layer[r.key]) for r in schema.LAYER if r.stacked and r.key in layer}
+    if len(set(fp8.values())) > 1:
+      raise HFCheckpointError(f"export_fp8: layer {i}'s experts would be part FP8, part BF16 ({fp8}): transformers "
+                              f"and vLLM load a layer's experts as one module; keep all of them or none "
+                              f"(recipe keep_patterns / keep_first_n / keep_last_n)")
   os.makedirs(out_dir, exist_ok=True)
   ids = _copy_tokenizer_and_ids(tokenizer_dir, out_dir)
-  qparams = quant.quantize_params(params, recipe)
-  bf16, e4m3, f32 = (np.dtype(t) for t in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.float32))
   tensors, not_converted, ragged = [], [], []
-  masters = {path: w for path, _, w in _param_items(params, cfg)}
-  for path, mod, w in _param_items(qparams, cfg):
-    if isinstance(w, quant.QWeight) and not ragged_fp8 and any(d % quant.BLOCK for d in w.q.shape):
-      ragged.append(f"{mod} {tuple(w.q.shape)}")
-      w = masters[path]
+  for (path, mod, w, e), (_, _, master, _) in zip(_param_items(qparams, cfg), _param_items(params, cfg)):
+    row = schema.BY_KEY[_parts(path)[1]]
+    if isinstance(w, quant.QWeight) and not as_fp8(w):
+      if e is None:
+        ragged.append(f"{mod} {tuple(w.q.shape)}")
+      elif e == 0:  # a stacked leaf once, named by its template
+        ragged.append(f"model.layers.{path.split('/')[1]}.{row.hf} {tuple(w.q.shape)}")
+      w = master
     if isinstance(w, quant.QWeight):
-      tensors.append(_Out(mod + ".weight", tuple(w.q.shape), e4m3, _host(w.q, jnp.float8_e4m3fn)))
-      tensors.append(_Out(mod + ".weight_scale_inv", tuple(w.scale.shape), f32, _host(w.scale, jnp.float32)))
+      tensors.append(_out(mod + ".weight", w.q, e, jnp.float8_e4m3fn))
+      tensors.append(_out(mod + ".weight_scale_inv", w.scale, e, jnp.float32))
     else:
-      if schema.BY_KEY[path.rsplit("/", 1)[-1]].linear:  # a linear kept BF16 (lm_head included)
-        not_converted.append(mod)
-      tensors.append(_Out(mod + ".weight", tuple(w.shape), bf16, _host(w, jnp.bfloat16)))
+      kept = mod if not row.stacked else f"model.layers.{path.split('/')[1]}.{row.hf_stack}"
+      if row.linear and kept not in not_converted:  # a linear kept BF16 (lm_head included)
+        not_converted.append(kept)
+      tensors.append(_out(mod + ".weight", w, e, jnp.bfloat16))
   if ragged:
     log.warning("export_fp8: %d weights have a dimension that is not a multiple of %d and are written in BF16 "
                 "(transformers misreads ragged scale grids; ragged_fp8=True keeps them FP8): %s", len(ragged),
@@ -695,8 +821,9 @@ def export_fp8(params: dict, cfg: ModelConfig, recipe: quant.Recipe, out_dir: st
   _warn_mixed_fused(not_converted, cfg)
   qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
         "weight_block_size": [quant.BLOCK, quant.BLOCK], "modules_to_not_convert": not_converted}
+  config = hf_config_dict(cfg, extra={**ids, "quantization_config": qc})
   _write_safetensors(out_dir, tensors, max_shard_bytes)
-  _write_config(out_dir, hf_config_dict(cfg, extra={**ids, "quantization_config": qc}))
+  _write_config(out_dir, config)
   return qc
 
 
@@ -778,8 +905,10 @@ def make_tiny_tokenizer(out_dir: str, vocab_size: int = 200) -> dict[str, int]:
 
 def make_tiny_hf_dir(out_dir: str, arch: str = "llama", *, seed: int = 0, n_layers: int = 2, dim: int = 256,
                      ffn_dim: int = 512, n_heads: int = 4, n_kv_heads: int = 2, head_dim: int = 64,
-                     vocab_size: int = 256, tie: bool | None = None, init_std: float = 0.02) -> str:
-  """A random Llama-3 (llama3 RoPE scaling) or Qwen3 HF directory saved by transformers, with a tiny tokenizer."""
+                     vocab_size: int = 256, tie: bool | None = None, init_std: float = 0.02, n_experts: int = 4,
+                     n_experts_per_tok: int = 2, moe_ffn_dim: int = 128, mlp_only_layers: tuple[int, ...] = ()) -> str:
+  """A random Llama-3 (llama3 RoPE scaling), Qwen3 or Qwen3-MoE ("qwen3_moe": the ``n_experts`` .. ``mlp_only_layers``
+  arguments, top-k renormalized) HF directory saved by transformers, with a tiny tokenizer."""
   import torch  # noqa: PLC0415
   import transformers  # noqa: PLC0415
 
@@ -798,14 +927,23 @@ def make_tiny_hf_dir(out_dir: str, arch: str = "llama", *, seed: int = 0, n_laye
     c = transformers.Qwen3Config(**common, tie_word_embeddings=True if tie is None else tie, rms_norm_eps=1e-6,
                                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     cls = transformers.Qwen3ForCausalLM
+  elif arch == "qwen3_moe":
+    c = transformers.Qwen3MoeConfig(**common, tie_word_embeddings=bool(tie), rms_norm_eps=1e-6,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                                    num_experts=n_experts, num_experts_per_tok=n_experts_per_tok,
+                                    moe_intermediate_size=moe_ffn_dim, norm_topk_prob=True,
+                                    mlp_only_layers=list(mlp_only_layers))
+    cls = transformers.Qwen3MoeForCausalLM
   else:
-    raise ValueError(f"make_tiny_hf_dir: arch must be 'llama' or 'qwen3', got {arch!r}")
+    raise ValueError(f"make_tiny_hf_dir: arch must be 'llama', 'qwen3' or 'qwen3_moe', got {arch!r}")
   torch.manual_seed(seed)
   model = cls(c)
-  with torch.no_grad():  # norms are initialized to ones; randomize them so a swapped norm would show
+  with torch.no_grad():  # norms start at ones and routers at zeros: randomize them so a swap would show
     for name, p in model.named_parameters():
       if p.ndim == 1:
         p.copy_(1.0 + 0.1 * torch.randn_like(p))
+      elif name.endswith(".mlp.gate.weight"):  # the router: its logits must separate the experts
+        p.copy_(0.5 * torch.randn_like(p))
   model.save_pretrained(out_dir, safe_serialization=True)
   with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
     json.dump({"bos_token_id": ids["<|begin_of_text|>"], "eos_token_id": [ids["<|eot_id|>"], ids["<|end_of_text|>"]],

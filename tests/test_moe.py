@@ -1,11 +1,11 @@
 """The Qwen3-MoE block (fp8jax.model.moe) against transformers' Qwen3MoeForCausalLM, and its one-engine properties.
 
-The torch model is built in memory with random weights (a few experts, one dense layer via mlp_only_layers) and
-its tensors are copied into an fp8jax params tree by name (transformers 5 keeps the experts fused in memory:
-gate_up_proj (E, 2F, D) = [gate; up], down_proj (E, D, F)). CPU only.
+The torch model is built in memory with random weights (a few experts, one dense layer via mlp_only_layers), saved
+with save_pretrained and read by fp8jax's importer (fp8jax.hf; tests/test_hf_moe.py tests it on its own). CPU only.
 """
 
 import copy
+import dataclasses
 
 import fp8jax  # noqa: F401  (before any JAX computation)
 import jax
@@ -46,30 +46,12 @@ def torch_model():
   return m
 
 
-def _params_from_torch(m) -> dict:
-  sd = {k: v.detach().float().numpy() for k, v in m.state_dict().items()}
-  params = {"embed": sd["model.embed_tokens.weight"], "final_norm": sd["model.norm.weight"],
-            "lm_head": sd["lm_head.weight"], "layers": []}
-  for i in range(L):
-    pre = f"model.layers.{i}."
-    layer = {}
-    for key, shape in schema.layer_shapes(CFG, i).items():
-      row = schema.BY_KEY[key]
-      if row.stacked:
-        continue
-      layer[key] = sd[pre + row.hf + ".weight"]
-      assert layer[key].shape == shape, key
-    if CFG.is_moe_layer(i):
-      gate_up = sd[pre + "mlp.experts.gate_up_proj"]
-      layer["expert_gate"], layer["expert_up"] = gate_up[:, :F_MOE], gate_up[:, F_MOE:]
-      layer["expert_down"] = sd[pre + "mlp.experts.down_proj"]
-    params["layers"].append(layer)
-  return jax.tree.map(jnp.asarray, params)
-
-
 @pytest.fixture(scope="module")
-def params(torch_model):
-  return _params_from_torch(torch_model)
+def params(torch_model, tmp_path_factory):
+  d = str(tmp_path_factory.mktemp("moe_hf"))
+  torch_model.save_pretrained(d)
+  assert dataclasses.replace(hf.load_config(d), max_seq_len=CFG.max_seq_len) == CFG  # the same model, read back
+  return hf.load_params(d, CFG)
 
 
 def _tokens(b=2, t=24, seed=0):
@@ -171,8 +153,6 @@ def test_config_errors_name_the_key():
     ModelConfig(**base, n_experts=2, n_experts_per_tok=1)
   with pytest.raises(ValueError, match=r"model\.mlp_only_layers=\(5,\)"):
     ModelConfig(**base, n_experts=2, n_experts_per_tok=1, moe_ffn_dim=128, mlp_only_layers=(5,))
-  with pytest.raises(hf.HFCheckpointError, match=r"model\.n_experts=8: HF import/export of MoE"):
-    hf.hf_param_names(CFG)
 
 
 @pytest.mark.parametrize("recipe,kv", [

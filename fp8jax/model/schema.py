@@ -7,7 +7,8 @@ of ``ops.linear``, selectable by the FP8 recipe) and how it is initialized. From
   * ``param_shapes`` (init, checkpoints, HF import/export): ``model.param_shapes``;
   * ``LINEAR_NAMES`` (what ``quant.quantize_params`` and the trainer's FP8 forward may quantize);
   * ``SHARDING_RULES`` (``fp8jax.sharding``: master weights, optimizer moments and quantized weights alike);
-  * ``HF_LAYER_MODULES`` / ``HF_TOP_MODULES`` (``fp8jax.hf``: the transformers names, ``.weight`` appended).
+  * ``HF_LAYER_MODULES`` / ``HF_TOP_MODULES`` and ``Param.hf_tensors`` (``fp8jax.hf``: the transformers names,
+    ``.weight`` appended; a stacked expert row is one tensor per expert on disk).
 
 A new block (MoE experts, MLA) adds rows here; no other module spells the layout. This module imports nothing
 from fp8jax (``quant`` and ``sharding`` import it), and takes the config only as an argument.
@@ -29,6 +30,7 @@ ROW = (FSDP, TENSOR)  # (out, in): output over fsdp, input features over tensor 
 REPLICATED = None
 
 INITS = ("ones", "normal", "normal_residual")
+EXPERT = "{e}"  # in a stacked row's HF module: the expert index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +39,8 @@ class Param:
   weights), "normal" (N(0, std)) or "normal_residual" (N(0, std / sqrt(2 L)): projections that write into the
   residual stream). ``present(cfg, layer)``: whether a config has this parameter (e.g. q_norm only with qk_norm;
   the expert weights only in MoE layers); ``layer`` is None for the rows outside the layers. ``stacked``: the
-  leading dimension indexes experts (HF stores one tensor per expert, ``hf`` then holds ``{e}``)."""
+  leading dimension indexes experts; HF checkpoints store one tensor per expert, named by ``hf`` with ``{e}``
+  replaced by the index (``hf_tensors``)."""
 
   key: str
   shape: Callable[[ModelConfig], tuple[int, ...]]
@@ -51,6 +54,23 @@ class Param:
   def __post_init__(self):
     if self.init not in INITS:
       raise ValueError(f"schema: {self.key}: init={self.init!r} is not one of {INITS}")
+    if self.stacked != (EXPERT in self.hf):
+      raise ValueError(f"schema: {self.key}: hf={self.hf!r} must contain {EXPERT!r} exactly when stacked=True")
+
+  def hf_tensors(self, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF module, shape) of each tensor this parameter is stored as on disk: itself, or for a stacked row one
+    tensor per expert (index e of the leading dimension), as transformers' ``save_pretrained`` writes them."""
+    shape = tuple(self.shape(cfg))
+    if not self.stacked:
+      return [(self.hf, shape)]
+    return [(self.hf.replace(EXPERT, str(e)), shape[1:]) for e in range(shape[0])]
+
+  @property
+  def hf_stack(self) -> str:
+    """The HF module holding all experts of a stacked row ("mlp.experts": transformers' fused experts module)."""
+    if not self.stacked:
+      raise ValueError(f"schema: {self.key} is not a stacked (per-expert) parameter")
+    return self.hf.split("." + EXPERT)[0]
 
 
 def _vec(dim: str) -> Callable[[ModelConfig], tuple[int, ...]]:

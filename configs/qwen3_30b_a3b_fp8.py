@@ -1,0 +1,39 @@
+"""Qwen3-30B-A3B GRPO on OpenMathInstruct-2, FP8 end to end: configs/llama8b_fp8.py's recipe on the MoE model.
+
+Run (after downloading Qwen/Qwen3-30B-A3B and the prompts):
+  python scripts/train.py --config=configs/qwen3_30b_a3b_fp8.py \
+      --config.checkpoint.hf_dir=/models/Qwen3-30B-A3B --config.data.path=/data/openmathinstruct2.jsonl
+Hardware: 8x H200 (one host), parameters and optimizer state sharded over fsdp. Estimate, not measured: 30.5B
+parameters need ~122 GB of FP32 master weights, ~244 GB of Adam moments, ~122 GB of FP32 gradients and ~31 GB each
+for the FP8 sampler weights and the KL reference (grpo.kl_beta > 0), ~550 GB before activations and the KV cache;
+4x H200 (564 GB) cannot hold that with room to run.
+What is missing: the grouped FP8 GEMM of the experts has no Hopper kernel yet (ops.grouped_linear raises on backend
+'pallas'), so this recipe sets fp8.gemm_backend="xla": every FP8 GEMM, the dense attention projections included, runs
+the exact XLA reference (the same numbers the kernels give, far slower). There is no expert parallelism either (the
+experts' leading axis is not sharded). This recipe has not been run, not even as a smoke test; expect the
+throughput to be far from a serving engine's until the grouped kernel exists.
+Expected: nothing measured yet. The GRPO settings are llama8b_fp8.py's (NeMo RL's Llama-3.1-8B FP8 recipe), not tuned
+for this model.
+"""
+
+import ml_collections
+
+from configs import llama8b_fp8
+
+
+def get_config(arg=None):
+  c = llama8b_fp8.get_config(arg)
+  c.workdir = "runs/qwen3_30b_a3b_fp8"
+  # Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B on the Hub; used for random-weight smoke tests, with
+  # checkpoint.hf_dir the architecture comes from the checkpoint): 48 layers, all mixture-of-experts (mlp_only_layers
+  # empty, decoder_sparse_step 1; intermediate_size 6144 is then unused), 128 experts of width 768, top-8
+  # renormalized, GQA 32/4 heads of 128 with QK-norm, untied embeddings. 30,532,122,624 parameters
+  # (tests/test_hf_moe.py counts them with transformers).
+  c.model = ml_collections.ConfigDict(dict(
+      vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, ffn_dim=6144,
+      norm_eps=1e-6, rope_theta=1e6, rope_scaling=None, tie_embeddings=False, qk_norm=True,
+      n_experts=128, n_experts_per_tok=8, moe_ffn_dim=768, norm_topk_prob=True, decoder_sparse_step=1,
+      mlp_only_layers=(), max_seq_len=4096, dtype="bfloat16", remat=True, attn_backend="auto"))
+  c.fp8.gemm_backend = "xla"  # no grouped Pallas kernel yet: "auto" resolves to "pallas" on a Hopper GPU and raises
+  c.grpo.router_aux_coef = 0.0  # fp8jax.rl.trainer.GRPOConfig: the load-balancing loss stays off for RL
+  return c
