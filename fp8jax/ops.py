@@ -3,7 +3,9 @@
 ``linear(x, w, cfg)`` is the one call every linear layer of fp8jax makes. What it computes depends only on the
 type of ``w`` (chosen by the recipe in ``fp8jax.quant``), never on who calls it:
 
-* plain array ``w_NxK``            -> BF16 mode: ``x . w^T`` with BF16 operands and FP32 accumulation.
+* plain array ``w_NxK``            -> BF16 mode: ``x . w^T`` with BF16 operands and FP32 accumulation (the lm_head,
+                                      and every linear of the BF16 recipe); dgrad dy . w and wgrad dy^T . x likewise,
+                                      with dy in BF16 (dx, dw rounded to BF16 as autodiff of the BF16 casts does).
 * ``FP8Weight(w_NxK)`` (training)  -> forward  Q(x)[1x128] . Q(w)[128x128]
                                       dgrad    Q(dy)[1x128] . Q(w)^T          (dx in x's dtype)
                                       wgrad    Q(dy^T)[1x128 over tokens] . Q(x^T)[1x128 over tokens]
@@ -18,7 +20,10 @@ Outputs are ``cfg.out_dtype`` (BF16 by default). The GEMMs run on a backend: "xl
 reference in ``pallas_kernels.fp8_gemm`` (every kernel is tested against it); "pallas" is the Hopper kernel, with
 the activations quantized by the one-pass kernels of ``pallas_kernels.fp8_quant`` (bitwise the quantizer's output).
 "auto" picks the kernel on sm_90 GPUs and the reference elsewhere; the choice is logged once and readable through
-``backend_report()``, so a change of numerics is never silent.
+``backend_report()``, so a change of numerics is never silent. BF16 mode follows the same setting (fp8.gemm_backend):
+"pallas" is the batch-invariant BF16 mode of the same Hopper kernel (``fp8_gemm_mgpu.bf16_gemm``; cuBLAS, which a
+plain ``jnp.dot`` runs on a GPU, picks its kernels by M, so a row's logits would depend on the batch), "xla" is
+``fp8_gemm.invariant_dot`` (batch invariant on XLA:CPU).
 """
 
 from __future__ import annotations
@@ -92,12 +97,18 @@ def _pallas_quant():
   return fp8_quant
 
 
-def _gemm_probe():
+@functools.cache
+def _pallas_bf16_gemm():
+  from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415 (imports Mosaic GPU only when asked for)
+  return fp8_gemm_mgpu.bf16_gemm
+
+
+def _kernel_probe(*loaders):
   if not hopper_available():
     return False, "no sm_90 GPU"
   try:
-    _pallas_gemm()
-    _pallas_quant()
+    for load in loaders:
+      load()
   except ImportError as e:  # kernel module missing or broken: say so, never silently
     return False, f"pallas kernel unavailable ({e})"
   return True, "sm_90 GPU"
@@ -105,7 +116,14 @@ def _gemm_probe():
 
 def resolve_backend(requested: str) -> str:
   """'auto' | 'xla' | 'pallas' -> the GEMM backend that will run; logs the choice once per (request, result)."""
-  return choose_backend(requested, what="fp8 gemm", config_key="fp8.gemm_backend", probe=_gemm_probe)
+  return choose_backend(requested, what="fp8 gemm", config_key="fp8.gemm_backend",
+                        probe=lambda: _kernel_probe(_pallas_gemm, _pallas_quant))
+
+
+def resolve_bf16_backend(requested: str) -> str:
+  """``resolve_backend`` for the BF16-mode GEMMs (the same setting; listed as ``bf16:requested->chosen``)."""
+  return choose_backend(requested, what="bf16 gemm", config_key="fp8.gemm_backend",
+                        probe=lambda: _kernel_probe(_pallas_bf16_gemm), prefix="bf16:")
 
 
 def choose_backend(requested: str, *, what: str, config_key: str, probe, prefix: str = "") -> str:
@@ -130,7 +148,8 @@ def choose_backend(requested: str, *, what: str, config_key: str, probe, prefix:
 def backend_report() -> dict[str, str]:
   """Which GEMM and attention backends were resolved in this process, and why (for metrics and logs).
 
-  Keys are ``requested->chosen`` for the GEMMs and ``attention:requested->chosen`` for attention."""
+  Keys are ``requested->chosen`` for the FP8 GEMMs, ``bf16:requested->chosen`` for the BF16-mode GEMMs and
+  ``attention:requested->chosen`` for attention."""
   return dict(_REPORT)
 
 
@@ -159,7 +178,7 @@ def quantize_act_t(x_MxK, pow2: bool = False, backend: str = "auto"):
 # Per-device execution of the kernels on a mesh
 # ------------------------------------------------------------------------------------------------------------------
 
-def _per_device(cfg: LinearConfig, m: int):
+def _per_device(cfg: LinearConfig, m: int, backend: str | None = None):
   """``(mesh, row_axes)`` when the GEMMs of an (m, .) activation must run per device, else None.
 
   Pallas kernels are opaque custom calls to XLA's SPMD partitioner: inside a sharded ``jit`` their operands are
@@ -170,20 +189,22 @@ def _per_device(cfg: LinearConfig, m: int):
   (``psum``) over the row axes, like any data-parallel gradient. Not used when the rows do not divide over the row
   axes (e.g. a single decode row), or for the "xla" backend (XLA partitions its own ops). Tensor parallelism of the
   FP8 GEMMs is not implemented: over a ``tensor`` axis the weights are gathered and the work repeated.
+  ``backend`` is the resolved backend of the caller's GEMMs (default: the FP8 GEMMs').
   """
-  if cfg.mesh is None or cfg.mesh.size == 1 or resolve_backend(cfg.backend) != "pallas":
+  if cfg.mesh is None or cfg.mesh.size == 1 or (backend or resolve_backend(cfg.backend)) != "pallas":
     return None
   axes = sharding.split_batch_axes(cfg.mesh, m)
   return None if axes is None else (cfg.mesh, axes)
 
 
-def _rowwise(fn, cfg: LinearConfig, m: int, n_rows: int = 1, n_replicated: int = 0, sum_rows: bool = False):
+def _rowwise(fn, cfg: LinearConfig, m: int, n_rows: int = 1, n_replicated: int = 0, sum_rows: bool = False,
+             backend: str | None = None):
   """``fn(*rows, *replicated)`` per device on its rows (see ``_per_device``), or ``fn`` as is.
 
   The first ``n_rows`` arguments are (m, .) row-sharded, the next ``n_replicated`` are gathered. The output is
   row-sharded like the inputs, or, with ``sum_rows`` (a contraction over the rows), summed over the row axes.
   """
-  spec = _per_device(cfg, m)
+  spec = _per_device(cfg, m, backend)
   if spec is None:
     return fn
   mesh, axes = spec
@@ -262,6 +283,56 @@ def _frozen_bwd(cfg, res, dy_MxN):
 _linear_fp8_frozen.defvjp(_frozen_fwd, _frozen_bwd)
 
 
+def _bf16_gemm(a_MxK, b_NxK, out_dtype):
+  """The BF16 Hopper kernel on any (M, K) x (N, K) BF16 operands -> (M, N) ``out_dtype``.
+
+  N and K are zero-padded to multiples of 128, as the kernel needs: zeros add exact zeros, and the padding depends
+  only on N and K, never on M, so every row still sees the same computation whatever the batch (M is padded inside
+  the kernel's wrapper)."""
+  n = b_NxK.shape[0]
+  out = _pallas_bf16_gemm()(quant.pad_k(a_MxK), quant.pad_k(quant.pad_k(b_NxK), 0), out_dtype=jnp.dtype(out_dtype))
+  return out[:, :n] if out.shape[1] != n else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _linear_bf16_kernel(x_MxK, w_NxK, cfg: LinearConfig):
+  return _bf16_fwd(x_MxK, w_NxK, cfg)[0]
+
+
+def _bf16_fwd(x_MxK, w_NxK, cfg):
+  xb, wb = x_MxK.astype(jnp.bfloat16), w_NxK.astype(jnp.bfloat16)
+  fwd = functools.partial(_bf16_gemm, out_dtype=cfg.out_dtype)
+  y = _rowwise(fwd, cfg, xb.shape[0], n_replicated=1, backend="pallas")(xb, wb)
+  # Zero-size tags carry x's and w's dtypes (the cotangents' dtypes) at no cost.
+  return y, (xb, wb, jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_NxK.dtype))
+
+
+def _bf16_bwd(cfg, res, dy_MxN):
+  """dx = dy . w and dw = dy^T . x on the kernel, with the XLA path's roundings: its autodiff computes both from the
+  FP32 cotangent and rounds them to BF16 (the cotangents of the BF16 casts). The tensor cores take dy in BF16: exact
+  for BF16 outputs, one rounding (2^-9 relative) of the lm_head's FP32 dlogits."""
+  xb, wb, x_tag, w_tag = res
+  m = xb.shape[0]
+  dyb = dy_MxN.astype(jnp.bfloat16)
+  dgrad = lambda dy, w: _bf16_gemm(dy, w.T, jnp.bfloat16)  # B = w^T stored (K, N): K-major over N
+  dx = _rowwise(dgrad, cfg, m, n_replicated=1, backend="pallas")(dyb, wb)
+  # wgrad contracts over tokens (M, zero-padded to a multiple of 128 by _bf16_gemm). FP32 out: a mesh sums the
+  # per-device partials in FP32, and the one rounding to BF16 comes after, as on one device.
+  wgrad = lambda dy, x: _bf16_gemm(dy.T, x.T, jnp.float32)
+  dw = _rowwise(wgrad, cfg, m, n_rows=2, sum_rows=True, backend="pallas")(dyb, xb)
+  return dx.astype(x_tag.dtype), dw.astype(jnp.bfloat16).astype(w_tag.dtype)
+
+
+_linear_bf16_kernel.defvjp(_bf16_fwd, _bf16_bwd)
+
+
+def _linear_bf16(x_MxK, w_NxK, cfg: LinearConfig):
+  """BF16 mode on the resolved backend: the Hopper kernel (custom VJP above) or ``invariant_dot`` (autodiff)."""
+  if resolve_bf16_backend(cfg.backend) == "pallas":
+    return _linear_bf16_kernel(x_MxK, w_NxK, cfg)
+  return fp8_gemm_ref.invariant_dot(x_MxK.astype(jnp.bfloat16), w_NxK.astype(jnp.bfloat16)).astype(cfg.out_dtype)
+
+
 def _refuse_complex(op: str, x, w):
   w_dtypes = [a.dtype for a in jax.tree.leaves(w)]
   if jnp.iscomplexobj(x) or any(jnp.issubdtype(d, jnp.complexfloating) for d in w_dtypes):
@@ -292,7 +363,7 @@ def linear(x: jax.Array, w, cfg: LinearConfig = LinearConfig()) -> jax.Array:
   elif isinstance(w, quant.QWeight):
     y = _linear_fp8_frozen(x_MxK, w, cfg)
   else:
-    y = fp8_gemm_ref.invariant_dot(x_MxK.astype(jnp.bfloat16), w.astype(jnp.bfloat16)).astype(cfg.out_dtype)
+    y = _linear_bf16(x_MxK, w, cfg)
   return y.reshape(*lead, y.shape[-1])
 
 

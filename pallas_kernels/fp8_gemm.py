@@ -8,6 +8,9 @@ Math (the numerics contract): for each 128-wide K block kb, in increasing kb ord
   C[m, n] += dot(a_q[m, kb], b_q[n, kb]) * (a_s[m, kb] * b_s[n', kb])
 with the block dot accumulated in FP32 and never split over K. Each output row therefore depends only on its own
 row of A: the result is batch invariant.
+
+BF16 mode (no quantization): ``C = A . B^T`` of BF16 operands with FP32 accumulation, B stored (N, K) likewise;
+``invariant_dot`` is the XLA path, ``bf16_gemm_reference`` the reference the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -63,6 +66,20 @@ def invariant_dot(a_MxK, b_NxK):
   a = jnp.pad(a_MxK, ((0, mp - m), (0, 0))).reshape(mp // ROW_TILE, ROW_TILE, k)
   out = jnp.einsum("itk,nk->itn", a, b_NxK, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
   return out.reshape(mp, -1)[:m]
+
+
+def bf16_gemm_reference(a_MxK, b_NxK, out_dtype=jnp.float32):
+  """BF16 GEMM reference: ``a . b^T`` with FP32 products and sums, cast to ``out_dtype``.
+
+  The BF16 operands are upcast before the dot: a BF16 x BF16 product is exact in FP32, and the dot is then an FP32
+  one on every backend (on a GPU a BF16 dot would run on the same tensor cores as the kernel under test).
+  """
+  if a_MxK.ndim != 2 or b_NxK.ndim != 2 or a_MxK.shape[1] != b_NxK.shape[1]:
+    raise ValueError(f"bf16 gemm takes A (M, K) and B stored (N, K), got A {a_MxK.shape} and B {b_NxK.shape}")
+  for name, t in (("A", a_MxK), ("B", b_NxK)):
+    if t.dtype != jnp.bfloat16:
+      raise ValueError(f"bf16 gemm: {name} must be bfloat16, got {t.dtype} (shape {t.shape})")
+  return invariant_dot(a_MxK.astype(jnp.float32), b_NxK.astype(jnp.float32)).astype(out_dtype)
 
 
 def fp8_gemm_reference(a_q_MxK, a_s_MxKb, b_q_NxK, b_s, out_dtype=jnp.bfloat16):

@@ -1,8 +1,10 @@
-"""Block-scaled FP8 GEMM ``C = A . B^T`` for Hopper (sm_90) in Pallas Mosaic GPU.
+"""Block-scaled FP8 and BF16 GEMMs ``C = A . B^T`` for Hopper (sm_90) in Pallas Mosaic GPU: one kernel, two modes.
 
-Operands and math are those of ``pallas_kernels.fp8_gemm`` (read its docstring): A E4M3 (M, K) with 1x128 FP32
-scales (M, K/128); B E4M3 stored (N, K) (K-major, as FP8 wgmma needs) with either 128x128 tile scales
-(ceil(N/128), K/128) [forward / dgrad] or 1x128 row scales (N, K/128) [wgrad].
+Operands and math are those of ``pallas_kernels.fp8_gemm`` (read its docstring):
+* ``fp8_gemm``: A E4M3 (M, K) with 1x128 FP32 scales (M, K/128); B E4M3 stored (N, K) (K-major, as FP8 wgmma needs)
+  with either 128x128 tile scales (ceil(N/128), K/128) [forward / dgrad] or 1x128 row scales (N, K/128) [wgrad].
+* ``bf16_gemm``: A BF16 (M, K), B BF16 stored (N, K) (the K-major transposed SMEM view, as in FP8 mode), FP32
+  accumulation; reference ``fp8_gemm.bf16_gemm_reference``. The BF16 linears and the lm_head of ``fp8jax.ops``.
 
 Kernel structure (the DeepGEMM recipe, DeepSeek-V3 report sec. 3.3.2 "increasing accumulation precision", written
 from scratch on the Pallas primitives; jax's ``hopper_matmul_mgpu.py`` shows the warp-specialized pattern):
@@ -12,10 +14,10 @@ from scratch on the Pallas primitives; jax's ``hopper_matmul_mgpu.py`` shows the
    across all its tiles (``PipelinePipeline.START/STEADY/STOP``): the producer loads the next tile's first K blocks
    while the consumers finish this tile and write its epilogue.
 2. Warp specialization: 2 or 3 consumer warpgroups and one producer warpgroup per CTA. The producer
-   (``emit_pipeline_warp_specialized``) issues TMA copies of A (cta_m x 128*k_blocks), B (cta_n x 128*k_blocks) and
-   the scale rows of each pipeline step into a ``max_concurrent_steps``-deep ring of 128B-swizzled SMEM buffers,
-   and gives most registers to the consumers (``setmaxnreg``). With ``cluster_n`` two CTAs of a cluster compute
-   side-by-side tiles and each A block is loaded once for both, multicast by TMA.
+   (``emit_pipeline_warp_specialized``) issues TMA copies of A (cta_m x k_blocks K blocks of 128 bytes), B (cta_n x
+   the same) and, in FP8 mode, the scale rows of each pipeline step into a ``max_concurrent_steps``-deep ring of
+   128B-swizzled SMEM buffers, and gives most registers to the consumers (``setmaxnreg``). With ``cluster_n`` two
+   CTAs of a cluster compute side-by-side tiles and each A block is loaded once for both, multicast by TMA.
 3. Each consumer warpgroup owns a 64 x wg_n block of C. Per 128-wide K block it (a) issues 4 FP8 wgmmas (k32 each)
    into a fresh zeroed FP32 wgmma accumulator, (b) reads the block's scales from SMEM while they run, (c) waits and
    promotes: ``acc + blk * (a_scale[m] * b_scale[n])`` in FP32 registers. With ``k_blocks=2`` a step issues both
@@ -24,6 +26,16 @@ from scratch on the Pallas primitives; jax's ``hopper_matmul_mgpu.py`` shows the
    result at FP32 accuracy; and because each output element sees exactly the same promotion sequence in the same K
    order for every tile config, schedule, grid size and M, a row of C is bitwise the same whatever M is and wherever
    the row sits (batch invariance; tested bitwise on the GPU across M, row positions and 17 configs).
+3b. BF16 mode has no scales and no promotion: BF16 wgmma accumulates into an FP32 accumulator (not FP8's narrow
+   one), so each consumer warpgroup allocates one zeroed FP32 wgmma accumulator per output tile and every K block
+   (64 BF16 values, one 128-byte swizzle row) adds into it: its 4 k16 wgmmas are issued in increasing K order, then
+   waited on before the ring slot goes back to the producer. Invariance contract (as in FP8 mode): each output
+   element C[m, n] is the result of the same chain of K/16 wgmma accumulation steps over row m of A and row n of B,
+   from zero, in increasing K order; never split over K, and the same for every M, position of the row in A, tile
+   config (CTA shape, wg_n, k_blocks, ring depth, warpgroups, clusters, cross_tile) and grid, since those change only
+   which warpgroup issues the chain and when. Zero padding rows only add rows. So a row of C is bitwise the same
+   whatever M is (this relies, as FP8 mode does, on a wgmma computing an element the same way whatever its N and the
+   element's place in the tile; tested bitwise on the GPU across M and the shipped configs).
 4. Epilogue: the FP32 accumulator is cast to the output dtype, stored to swizzled SMEM and written by TMA.
 
 Tried and measured slower on the H200 (commit 3fae615, docs/benchmarks.md): carrying block 1's wgmma across the
@@ -42,8 +54,8 @@ starts 128-byte aligned, as TMA needs) so the scale of one 128-column block is o
 the wrapper. For the same reason row-scale (wgrad) calls use CTAs at least 32 columns wide.
 
 M is padded to the CTA height inside the wrapper (zero rows, sliced off the result); N and K must be multiples
-of 128 (a ValueError otherwise). Tile configs per shape class: ``choose_config``. Measured figures, and what limits
-them: docs/benchmarks.md, "FP8 block GEMM (issue 3)".
+of 128 (a ValueError otherwise). Tile configs per shape class: ``choose_config`` (FP8), ``choose_bf16_config``.
+Measured figures, and what limits them: docs/benchmarks.md, "FP8 block GEMM (issue 3)".
 """
 
 from __future__ import annotations
@@ -63,6 +75,14 @@ WG_M = 64  # rows of C per consumer warpgroup: one m64 wgmma row block.
 # Tile scales are replicated 32x along N: 32 x f32 = 128 bytes, so that every slot of the scale ring in SMEM
 # starts 128-byte aligned, as TMA (cp.async.bulk.tensor) requires of its SMEM destination.
 _SCALE_REP = 32
+# A K block is one 128-byte row of the SMEM ring (one 128-byte swizzle span): 128 E4M3 values (one scale group in
+# FP8 mode) or 64 BF16 values. A ring stage then costs the same SMEM per K block in both modes.
+_K_BLOCK_BYTES = 128
+
+
+def _block_k(dtype) -> int:
+  """K values per K block of an operand dtype (E4M3: 128 = BLOCK, BF16: 64)."""
+  return _K_BLOCK_BYTES // jnp.dtype(dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +95,9 @@ class TuningConfig:
   wg_n: columns of C per warpgroup (the wgmma N); divides 128 so that one B tile scale covers it.
   max_concurrent_steps: SMEM ring depth, in pipeline steps.
   grid_minor_dim / grid_tile_width: planar-snake tile order (L2 reuse).
-  k_blocks: 128-wide K blocks per pipeline step, 1 or 2. With 2, block j+1's wgmmas run while block j is promoted
-    (two wgmma accumulators) and there is one barrier round trip per 256 K values. Needs K/128 even (else 1 is used).
+  k_blocks: K blocks per pipeline step, 1 or 2 (a K block is 128 E4M3 or 64 BF16 values). FP8: with 2, block j+1's
+    wgmmas run while block j is promoted (two wgmma accumulators). Both modes: one barrier round trip per step.
+    Needs an even number of K blocks (else 1 is used).
   cross_tile: run one pipeline across all output tiles of a CTA (``PipelinePipeline.START/STEADY/STOP``), so the
     producer loads the next tile's first blocks while this tile finishes and writes its epilogue. Used when every CTA
     has >= 2 tiles and the ring depth divides the K steps (the wrapper adjusts the depth, or drops it).
@@ -153,11 +174,37 @@ def choose_config(m: int, n: int, k: int, num_sms: int | None = None, row_scales
   big = m >= 2048
   if big and n >= 16384 and not row_scales:
     return TuningConfig("m", 128, 4, num_wgs=3, cross_tile=True, cluster_n=True)
-  num_sms = num_sms or _num_sms()
-  enough = (7 * num_sms) // 10
   T = functools.partial(TuningConfig, k_blocks=2, cross_tile=True, cluster_n=big and not row_scales)
-  cands = [T("m", 128, 2)] if m > WG_M else []
-  cands += [T("n", 64, 4), T("n", 32, 4), T("n", 16, 4)]
+  return _largest_filling(([T("m", 128, 2)] if m > WG_M else []) + [T("n", w, 4) for w in (64, 32, 16)],
+                          m, n, num_sms)
+
+
+def choose_bf16_config(m: int, n: int, k: int, num_sms: int | None = None, out_dtype=jnp.bfloat16) -> TuningConfig:
+  """Tile config of ``bf16_gemm`` per shape class (lm_head: N = 128256 / 32768; the Llama-3.1-8B linears).
+
+  As in FP8 mode every config gives the same bits (module docstring, item 3b). Not yet tuned on the H200: these are
+  the FP8 forward's tile shapes (the same reasons hold: large-M tiles for the tensor cores, and for decode the
+  largest CTA whose grid fills ~70% of the SMs, since reading B bounds it) with these changes, from the SMEM
+  arithmetic of ``_plan``:
+  * one K block (64 values) per step and a deeper ring: there is no promotion for a second block's wgmmas to
+    overlap, and a 64 x K-block ring stage is small (24 KiB for a 64x128 CTA), so decode CTAs keep up to 8 stages
+    of B loads in flight;
+  * the 3-warpgroup 192x128 tile only for BF16 outputs: with FP32 outputs (the lm_head) its 96 KiB of output staging
+    would leave a 2-deep ring, so those get 128x128 with 4 stages.
+  ``scripts/bench_gemm.py --bf16 --variants`` times these against the alternatives.
+  """
+  del k
+  big = m >= 2048
+  if big and n >= 16384 and jnp.dtype(out_dtype).itemsize == 2:
+    return TuningConfig("m", 128, 4, num_wgs=3, cross_tile=True, cluster_n=True)
+  T = functools.partial(TuningConfig, cross_tile=True, cluster_n=big)
+  return _largest_filling(([T("m", 128, 4)] if m > WG_M else []) + [T("n", w, 8) for w in (64, 32, 16)],
+                          m, n, num_sms)
+
+
+def _largest_filling(cands: list[TuningConfig], m: int, n: int, num_sms: int | None) -> TuningConfig:
+  """The first of ``cands`` (largest CTA first) that tiles N and whose grid fills ~70% of the SMs, else the last."""
+  enough = (7 * (num_sms or _num_sms())) // 10
   for cfg in cands:
     if n % cfg.cta_n == 0 and -(-m // cfg.cta_m) * (n // cfg.cta_n) >= enough:
       return cfg
@@ -167,18 +214,23 @@ def choose_config(m: int, n: int, k: int, num_sms: int | None = None, row_scales
 _SMEM_BUDGET = 220 * 1024  # of the 227 KiB an sm_90 CTA may use; the rest is left for barriers.
 
 
-def _plan(cfg: TuningConfig, m: int, n: int, k: int, out_dtype, row_scales: bool, num_sms: int):
+def _plan(cfg: TuningConfig, m: int, n: int, k: int, out_dtype, row_scales: bool, num_sms: int,
+          in_dtype=jnp.float8_e4m3fn):
   """Resolves a config for one shape: k_blocks, ring depth (SMEM fit; divides the K steps for cross_tile), grid.
 
+  ``in_dtype`` is the operands' dtype: E4M3 (FP8 mode, with scale rows in the ring) or BF16 (no scales).
   Returns (cfg as it will run, padded M, grid size in clusters (= CTAs without cluster_n)).
   """
-  if (k // BLOCK) % cfg.k_blocks:
+  bk = _block_k(in_dtype)
+  if (k // bk) % cfg.k_blocks:
     cfg = dataclasses.replace(cfg, k_blocks=1)
   kb = cfg.k_blocks
-  bs_cols = cfg.cta_n if row_scales else _SCALE_REP * max(1, cfg.cta_n // BLOCK)
-  stage = kb * ((cfg.cta_m + cfg.cta_n) * BLOCK + 4 * (cfg.cta_m + bs_cols))
+  scale_bytes = 0
+  if jnp.dtype(in_dtype).itemsize == 1:  # FP8 mode: a scale row of A and of B per K block
+    scale_bytes = 4 * (cfg.cta_m + (cfg.cta_n if row_scales else _SCALE_REP * max(1, cfg.cta_n // BLOCK)))
+  stage = kb * ((cfg.cta_m + cfg.cta_n) * _K_BLOCK_BYTES + scale_bytes)
   out = cfg.num_wgs * WG_M * cfg.wg_n * jnp.dtype(out_dtype).itemsize
-  k_steps = k // (BLOCK * kb)
+  k_steps = k // (bk * kb)
   stages = max(2, min(cfg.max_concurrent_steps, (_SMEM_BUDGET - out) // stage, k_steps))
   mp = -(-m // cfg.cta_m) * cfg.cta_m
   if cfg.cluster_n and (n // cfg.cta_n) % cfg.cluster_size:
@@ -199,30 +251,39 @@ def _swizzled(shape_minor_bytes: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: TuningConfig, row_scales: bool):
-  """Refs: a (Mp, K) e4m3, b (N, K) e4m3, as (Kb, Mp) f32, bs (Kb, 32*Nb | N) f32, out (Mp, N)."""
+def _kernel(*refs, cfg: TuningConfig, row_scales: bool):
+  """Refs: a (Mp, K), b (N, K), [as (Kb, Mp) f32, bs (Kb, 32*Nb | N) f32,] out (Mp, N), out_smem.
+
+  With the two scale refs: FP8 mode (E4M3 operands, a fresh wgmma accumulator per K block, FP32 promotion).
+  Without: BF16 mode (BF16 operands, one wgmma accumulator over all of K, no promotion).
+  """
+  *in_gmem, out_gmem, out_smem = refs
+  a_gmem, b_gmem, *scale_gmem = in_gmem
+  scaled = bool(scale_gmem)
   mp, k = a_gmem.shape
   n = b_gmem.shape[0]
   out_dtype = out_gmem.dtype
   cta_m, cta_n, wg_n, kb = cfg.cta_m, cfg.cta_n, cfg.wg_n, cfg.k_blocks
-  m_iters, n_iters, k_steps = mp // cta_m, n // (cta_n * cfg.cluster_size), k // (BLOCK * kb)
-  fp8_transforms = _swizzled(BLOCK, 1)  # 128 B rows -> 128 B swizzle
+  bk = _block_k(a_gmem.dtype)
+  m_iters, n_iters, k_steps = mp // cta_m, n // (cta_n * cfg.cluster_size), k // (bk * kb)
+  transforms = _swizzled(_K_BLOCK_BYTES, a_gmem.dtype.itemsize)  # 128 B rows -> 128 B swizzle
   # Columns of bs a CTA needs: its own (row scales) or the replicated scale of each 128-wide block it touches.
   bs_cols = cta_n if row_scales else _SCALE_REP * max(1, cta_n // BLOCK)
 
   def get_pipeline(body, compute_context, pipeline_state=None):
+    specs = [
+        plgpu.BlockSpec((cta_m, kb * bk), lambda kk: (0, kk), transforms=transforms,
+                        memory_space=plgpu.SMEM, collective_axes=("cluster",) if cfg.cluster_n else ()),
+        plgpu.BlockSpec((cta_n, kb * bk), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM),
+    ]
+    if scaled:
+      specs += [plgpu.BlockSpec((kb, cta_m), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((kb, bs_cols), lambda kk: (kk, 0), memory_space=plgpu.SMEM)]
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(k_steps,),
         memory_registers=40 if cfg.num_wgs == 2 else 32,  # 3 consumers: (512 - 32) / 3 -> 160 registers each
-        in_specs=[
-            plgpu.BlockSpec((cta_m, kb * BLOCK), lambda kk: (0, kk), transforms=fp8_transforms,
-                            memory_space=plgpu.SMEM, collective_axes=("cluster",) if cfg.cluster_n else ()),
-            plgpu.BlockSpec((cta_n, kb * BLOCK), lambda kk: (0, kk), transforms=fp8_transforms,
-                            memory_space=plgpu.SMEM),
-            plgpu.BlockSpec((kb, cta_m), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
-            plgpu.BlockSpec((kb, bs_cols), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
-        ],
+        in_specs=specs,
         wg_axis="wg",
         num_compute_wgs=cfg.num_wgs,
         max_concurrent_steps=cfg.max_concurrent_steps,
@@ -231,12 +292,13 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
     )
 
   ignore = lambda *_, **__: None
+  first_tile = [a_gmem.at[pl.ds(0, cta_m)], b_gmem.at[pl.ds(0, cta_n)]]
+  if scaled:
+    first_tile += [scale_gmem[0].at[:, pl.ds(0, cta_m)], scale_gmem[1].at[:, pl.ds(0, bs_cols)]]
 
   @functools.partial(
       pl.run_scoped,
-      allocs=get_pipeline(ignore, ignore).get_allocations(
-          a_gmem.at[pl.ds(0, cta_m)], b_gmem.at[pl.ds(0, cta_n)],
-          as_gmem.at[:, pl.ds(0, cta_m)], bs_gmem.at[:, pl.ds(0, bs_cols)]),
+      allocs=get_pipeline(ignore, ignore).get_allocations(*first_tile),
       collective_axes="wg",
   )
   def _scope(allocs):
@@ -256,13 +318,6 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
         wg_m_off, wg_n_off = wg * WG_M, 0
       else:
         wg_m_off, wg_n_off = 0, wg * wg_n
-      if row_scales:
-        bs_start = n0
-        bs_col = wg_n_off
-      else:
-        nb0 = n0 // BLOCK
-        bs_start = nb0 * _SCALE_REP
-        bs_col = ((n0 + wg_n_off) // BLOCK - nb0) * _SCALE_REP
       pipeline_state = None
       if cfg.cross_tile:  # every CTA has >= 2 tiles (_plan keeps it only then)
         P = plgpu.PipelinePipeline
@@ -271,32 +326,12 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
                                              int(P.STEADY)))
 
       def operands(a_smem, b_smem, j):
-        """This warpgroup's A (64 x 128) and B^T (128 x wg_n) views of K block j of the step."""
+        """This warpgroup's A (64 x bk) and B^T (bk x wg_n) views of K block j of the step."""
         a = a_smem.at[pl.ds(wg_m_off, WG_M)]
         b = b_smem.at[pl.ds(wg_n_off, wg_n)]
         if kb > 1:
-          a, b = a.at[:, pl.ds(j * BLOCK, BLOCK)], b.at[:, pl.ds(j * BLOCK, BLOCK)]
+          a, b = a.at[:, pl.ds(j * bk, bk)], b.at[:, pl.ds(j * bk, bk)]
         return a, b.transpose((1, 0))
-
-      def scales(as_smem, bs_smem, j):
-        sa = plgpu.load(as_smem.at[j, pl.ds(wg_m_off, WG_M)], layout=plgpu.Layout.WGMMA.reduce(1))
-        if row_scales:
-          sb = plgpu.load(bs_smem.at[j, pl.ds(bs_col, wg_n)], layout=plgpu.Layout.WGMMA.reduce(0))
-        else:
-          sb = bs_smem[j, bs_col]
-        return sa, sb
-
-      def promote(acc, blk, sa, sb):
-        """(3) FP32 promotion of one K block: acc + blk * (a_scale[m] * b_scale[n]); the same code for all configs."""
-        if row_scales:
-          scale = (lax.broadcast_in_dim(sa, (WG_M, wg_n), [0])
-                   * lax.broadcast_in_dim(sb, (WG_M, wg_n), [1]))
-        else:
-          scale = lax.broadcast_in_dim(sa * sb, (WG_M, wg_n), [0])
-        return acc + blk * scale
-
-      def zeros():
-        return plgpu.layout_cast(jnp.zeros((WG_M, wg_n), jnp.float32), plgpu.Layout.WGMMA)
 
       def epilogue(acc):
         """(4) registers -> swizzled SMEM -> TMA store (overlaps the next tile's main loop)."""
@@ -306,32 +341,82 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *, cfg: Tuning
         plgpu.copy_smem_to_gmem(
             out_smem.at[wg], out_gmem.at[pl.ds(m0 + wg_m_off, WG_M), pl.ds(n0 + wg_n_off, wg_n)])
 
-      def compute_context(eval_pipeline):
-        epilogue(eval_pipeline(zeros()))
-
-      def mma_body(_, a_smem, b_smem, as_smem, bs_smem, acc):
-        def block_dots(*blk_refs):
-          for j, r in enumerate(blk_refs):
-            plgpu.wgmma(r, *operands(a_smem, b_smem, j))
-          out = acc
-          for j, r in enumerate(blk_refs):  # scale loads overlap the wgmmas in flight
-            s = scales(as_smem, bs_smem, j)
-            # Block j is promoted while blocks j+1.. still run on the tensor cores.
-            out = promote(out, plgpu.wgmma_accumulator_load(r, wait_n=kb - 1 - j), *s)
-          return out
-
-        # A fresh (zeroed) FP8 wgmma accumulator per K block.
-        return pl.run_scoped(block_dots, *([plgpu.ACC((WG_M, wg_n), jnp.float32)] * kb))
-
-      get_pipeline(mma_body, compute_context, pipeline_state)(
-          a_gmem.at[pl.ds(m0, cta_m)],
-          b_gmem.at[pl.ds(n0, cta_n)],
-          as_gmem.at[:, pl.ds(m0, cta_m)],
-          bs_gmem.at[:, pl.ds(bs_start, bs_cols)],
-          allocations=allocs,
-      )
+      tile_gmem = [a_gmem.at[pl.ds(m0, cta_m)], b_gmem.at[pl.ds(n0, cta_n)]]
+      if scaled:
+        body, compute_context, scale_tile = _fp8_step(operands, epilogue, cfg, row_scales, n0, wg_m_off, wg_n_off)
+        tile_gmem += [scale_gmem[0].at[:, pl.ds(m0, cta_m)], scale_gmem[1].at[:, pl.ds(scale_tile, bs_cols)]]
+      else:
+        body, compute_context = _bf16_step(operands, epilogue, cfg)
+      get_pipeline(body, compute_context, pipeline_state)(*tile_gmem, allocations=allocs)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _fp8_step(operands, epilogue, cfg: TuningConfig, row_scales: bool, n0, wg_m_off, wg_n_off):
+  """FP8 mode's pipeline body and compute context (module docstring, item 3), and the first bs column of the tile."""
+  wg_n, kb = cfg.wg_n, cfg.k_blocks
+  if row_scales:
+    bs_start = n0
+    bs_col = wg_n_off
+  else:
+    nb0 = n0 // BLOCK
+    bs_start = nb0 * _SCALE_REP
+    bs_col = ((n0 + wg_n_off) // BLOCK - nb0) * _SCALE_REP
+
+  def scales(as_smem, bs_smem, j):
+    sa = plgpu.load(as_smem.at[j, pl.ds(wg_m_off, WG_M)], layout=plgpu.Layout.WGMMA.reduce(1))
+    if row_scales:
+      sb = plgpu.load(bs_smem.at[j, pl.ds(bs_col, wg_n)], layout=plgpu.Layout.WGMMA.reduce(0))
+    else:
+      sb = bs_smem[j, bs_col]
+    return sa, sb
+
+  def promote(acc, blk, sa, sb):
+    """(3) FP32 promotion of one K block: acc + blk * (a_scale[m] * b_scale[n]); the same code for all configs."""
+    if row_scales:
+      scale = (lax.broadcast_in_dim(sa, (WG_M, wg_n), [0])
+               * lax.broadcast_in_dim(sb, (WG_M, wg_n), [1]))
+    else:
+      scale = lax.broadcast_in_dim(sa * sb, (WG_M, wg_n), [0])
+    return acc + blk * scale
+
+  def compute_context(eval_pipeline):
+    epilogue(eval_pipeline(plgpu.layout_cast(jnp.zeros((WG_M, wg_n), jnp.float32), plgpu.Layout.WGMMA)))
+
+  def mma_body(_, a_smem, b_smem, as_smem, bs_smem, acc):
+    def block_dots(*blk_refs):
+      for j, r in enumerate(blk_refs):
+        plgpu.wgmma(r, *operands(a_smem, b_smem, j))
+      out = acc
+      for j, r in enumerate(blk_refs):  # scale loads overlap the wgmmas in flight
+        s = scales(as_smem, bs_smem, j)
+        # Block j is promoted while blocks j+1.. still run on the tensor cores.
+        out = promote(out, plgpu.wgmma_accumulator_load(r, wait_n=kb - 1 - j), *s)
+      return out
+
+    # A fresh (zeroed) FP8 wgmma accumulator per K block.
+    return pl.run_scoped(block_dots, *([plgpu.ACC((WG_M, wg_n), jnp.float32)] * kb))
+
+  return mma_body, compute_context, bs_start
+
+
+def _bf16_step(operands, epilogue, cfg: TuningConfig):
+  """BF16 mode's pipeline body and compute context (module docstring, item 3b)."""
+
+  def compute_context(eval_pipeline):
+    # One FP32 wgmma accumulator for the whole tile, zeroed when allocated: every K block adds into it in order.
+    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((WG_M, cfg.wg_n), jnp.float32))
+    def _acc_scope(acc_ref):
+      epilogue(eval_pipeline(acc_ref)[...])
+
+  def mma_body(_, a_smem, b_smem, acc_ref):
+    for j in range(cfg.k_blocks):
+      plgpu.wgmma(acc_ref, *operands(a_smem, b_smem, j))
+    # The step's SMEM slot goes back to the producer when the body returns, so its wgmmas must have read it.
+    plgpu.wgmma_wait(0)
+    return acc_ref
+
+  return mma_body, compute_context
 
 
 def _validate(a_q, a_s, b_q, b_s):
@@ -343,20 +428,18 @@ def _validate(a_q, a_s, b_q, b_s):
     raise ValueError(f"fp8_gemm (Mosaic GPU): M must be >= 1, got A {tuple(a_q.shape)}")
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "num_sms"))
-def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig | None = None,
-             interpret: bool = False, num_sms: int | None = None):
-  """C = A . B^T with block-scaled E4M3 operands (layouts in the module docstring); returns (M, N) ``out_dtype``."""
-  _validate(a_q, a_s, b_q, b_s)
+def _out_dtype(out_dtype, op: str):
   out_dtype = jnp.dtype(out_dtype)
   if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-    raise ValueError(f"fp8_gemm (Mosaic GPU): out_dtype must be bfloat16 or float32, got {out_dtype}")
-  (m, k), n = a_q.shape, b_q.shape[0]
-  num_sms = num_sms or (4 if interpret else _num_sms())
-  row_scales = b_s.shape[0] == n
-  cfg = config or choose_config(m, n, k, num_sms, row_scales)
+    raise ValueError(f"{op} (Mosaic GPU): out_dtype must be bfloat16 or float32, got {out_dtype}")
+  return out_dtype
+
+
+def _resolve(cfg: TuningConfig, m: int, n: int, k: int, out_dtype, row_scales: bool, num_sms: int, interpret: bool,
+             in_dtype, op: str):
+  """A requested or chosen config -> (cfg as it will run, padded M, grid): checks, interpreter limits, ``_plan``."""
   if n % cfg.cta_n:
-    raise ValueError(f"fp8_gemm: N = {n} is not a multiple of the CTA width {cfg.cta_n} of {cfg}")
+    raise ValueError(f"{op}: N = {n} is not a multiple of the CTA width {cfg.cta_n} of {cfg}")
   if row_scales and cfg.cta_n * 4 < 128:  # B's scale row per ring slot must be >= 128 bytes (TMA alignment)
     cfg = dataclasses.replace(cfg, split="n")
   if interpret:
@@ -367,15 +450,12 @@ def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig
     cfg = dataclasses.replace(cfg, cross_tile=False)
     if cfg.num_wgs == 3:
       cfg = dataclasses.replace(cfg, num_wgs=2)
-  cfg, mp, grid = _plan(cfg, m, n, k, out_dtype, row_scales, num_sms)
-  if mp != m:
-    a_q = jnp.pad(a_q, ((0, mp - m), (0, 0)))
-    a_s = jnp.pad(a_s, ((0, mp - m), (0, 0)))
-  as_KbxMp = a_s.astype(jnp.float32).T
-  if row_scales:
-    bs = b_s.astype(jnp.float32).T  # (Kb, N)
-  else:
-    bs = jnp.repeat(b_s.astype(jnp.float32).T, _SCALE_REP, axis=1)  # (Kb, 32 * Nb)
+  return _plan(cfg, m, n, k, out_dtype, row_scales, num_sms, in_dtype)
+
+
+def _launch(*operands, cfg: TuningConfig, row_scales: bool, mp: int, n: int, out_dtype, grid: int, interpret: bool,
+            kernel_name: str):
+  """Runs ``_kernel`` on (Mp, .) operands -> (Mp, N) ``out_dtype``."""
   out_smem_type = plgpu.SMEM((cfg.num_wgs, WG_M, cfg.wg_n), out_dtype,
                              transforms=_swizzled(cfg.wg_n * out_dtype.itemsize, out_dtype.itemsize))
   kernel = plgpu.kernel(
@@ -387,9 +467,64 @@ def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig
       **(dict(cluster=(cfg.cluster_size,), cluster_names=("cluster",)) if cfg.cluster_n else {}),
       num_threads=cfg.num_wgs + 1,
       thread_name="wg",
-      kernel_name="fp8jax_fp8_gemm",  # what profilers (ncu, CUPTI) show
+      kernel_name=kernel_name,  # what profilers (ncu, CUPTI) show
       compiler_params=plgpu.CompilerParams(approx_math=False),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  out = kernel(a_q, b_q, as_KbxMp, bs)
+  return kernel(*operands)
+
+
+def _pad_rows(x, mp: int):
+  return jnp.pad(x, ((0, mp - x.shape[0]), (0, 0))) if mp != x.shape[0] else x
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "num_sms"))
+def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig | None = None,
+             interpret: bool = False, num_sms: int | None = None):
+  """C = A . B^T with block-scaled E4M3 operands (layouts in the module docstring); returns (M, N) ``out_dtype``."""
+  _validate(a_q, a_s, b_q, b_s)
+  out_dtype = _out_dtype(out_dtype, "fp8_gemm")
+  (m, k), n = a_q.shape, b_q.shape[0]
+  num_sms = num_sms or (4 if interpret else _num_sms())
+  row_scales = b_s.shape[0] == n
+  cfg, mp, grid = _resolve(config or choose_config(m, n, k, num_sms, row_scales), m, n, k, out_dtype, row_scales,
+                           num_sms, interpret, a_q.dtype, "fp8_gemm")
+  as_KbxMp = _pad_rows(a_s, mp).astype(jnp.float32).T
+  if row_scales:
+    bs = b_s.astype(jnp.float32).T  # (Kb, N)
+  else:
+    bs = jnp.repeat(b_s.astype(jnp.float32).T, _SCALE_REP, axis=1)  # (Kb, 32 * Nb)
+  out = _launch(_pad_rows(a_q, mp), b_q, as_KbxMp, bs, cfg=cfg, row_scales=row_scales, mp=mp, n=n,
+                out_dtype=out_dtype, grid=grid, interpret=interpret, kernel_name="fp8jax_fp8_gemm")
+  return out[:m] if mp != m else out
+
+
+def _validate_bf16(a, b):
+  if a.ndim != 2 or b.ndim != 2:
+    raise ValueError(f"bf16_gemm takes 2-D operands, got A {a.shape} and B {b.shape}")
+  (m, k), (n, k2) = a.shape, b.shape
+  if k != k2:
+    raise ValueError(f"bf16_gemm: contraction dims differ: A {a.shape} vs B {b.shape} (B is stored (N, K))")
+  if n % BLOCK or k % BLOCK:
+    raise ValueError(f"bf16_gemm (Mosaic GPU): N = {n} and K = {k} (A {a.shape}, B {b.shape}) must be multiples "
+                     f"of {BLOCK}; zero-pad them (fp8jax.ops.linear does)")
+  if m == 0:
+    raise ValueError(f"bf16_gemm (Mosaic GPU): M must be >= 1, got A {a.shape}")
+  for name, t in (("A", a), ("B", b)):
+    if t.dtype != jnp.bfloat16:
+      raise ValueError(f"bf16_gemm: {name} must be bfloat16, got {t.dtype} (shape {t.shape})")
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "num_sms"))
+def bf16_gemm(a_MxK, b_NxK, *, out_dtype=jnp.bfloat16, config: TuningConfig | None = None, interpret: bool = False,
+              num_sms: int | None = None):
+  """C = A . B^T for BF16 A (M, K) and B stored (N, K), FP32 accumulation (module docstring, item 3b); (M, N)."""
+  _validate_bf16(a_MxK, b_NxK)
+  out_dtype = _out_dtype(out_dtype, "bf16_gemm")
+  (m, k), n = a_MxK.shape, b_NxK.shape[0]
+  num_sms = num_sms or (4 if interpret else _num_sms())
+  cfg, mp, grid = _resolve(config or choose_bf16_config(m, n, k, num_sms, out_dtype), m, n, k, out_dtype, False,
+                           num_sms, interpret, a_MxK.dtype, "bf16_gemm")
+  out = _launch(_pad_rows(a_MxK, mp), b_NxK, cfg=cfg, row_scales=False, mp=mp, n=n, out_dtype=out_dtype, grid=grid,
+                interpret=interpret, kernel_name="fp8jax_bf16_gemm")
   return out[:m] if mp != m else out

@@ -3,6 +3,8 @@
   PYTHONPATH=. python3 scripts/bench_gemm.py [--ms 8192,256,64] [--shapes qkv,o,...] [--out DIR] [--no-wgrad]
   PYTHONPATH=. python3 scripts/bench_gemm.py --variants [--ms ...] [--shapes ...]   # schedule variants, bitwise-checked
   PYTHONPATH=. python3 scripts/bench_gemm.py --quant --ms 8192   # activation quantization vs the layer's GEMMs
+  PYTHONPATH=. python3 scripts/bench_gemm.py --bf16 [--out DIR]    # BF16 mode vs jnp.dot (cuBLAS): 12 shapes
+  PYTHONPATH=. python3 scripts/bench_gemm.py --bf16 --variants     # BF16 schedule variants, bitwise-checked
 
 For M in --ms and the Llama-3.1-8B linear shapes (K x N): TFLOP/s (2*M*N*K / median kernel time) of
   ours     pallas_kernels.fp8_gemm_mgpu.fp8_gemm (1x128 x 128x128 scales, BF16 out; wrapper ops included)
@@ -15,11 +17,20 @@ and ratio ours / cublas_block, plus each one's relative error ||out - ref|| / ||
 FP32 dot of the same BF16 operands). JAX times are CUPTI kernel times (jax.experimental.mosaic.gpu.profiler);
 torch times are CUDA-event times of a CUDA-graph replay. Each timed call cycles through R distinct operand sets,
 so decode-sized B matrices are read from HBM, not L2. Two wgrad rows (1x128 x 1x128, FP32 out) follow.
+
+--bf16 (issue 15): the BF16 mode of the same kernel (``fp8_gemm_mgpu.bf16_gemm``, ``choose_bf16_config``) against
+the XLA path fp8jax.ops used for BF16 linears before it (``fp8_gemm.invariant_dot``: a BF16 ``jnp.dot`` with FP32
+accumulation, which XLA runs on cuBLAS), at the lm_head (K 4096 x N 128256, FP32 logits; M 64, 256, 8192, 32768)
+and the Llama-3.1-8B linears (BF16 out; M 256, 8192). Per row: TFLOP/s of both (CUPTI kernel times), each one's
+relative error on sampled rows against ``bf16_gemm_reference`` (an FP32 dot), and row invariance: rows computed at
+M = 1 and M = 7 are compared bitwise with the same rows of the M-row product, for ours and for cuBLAS. Exit code 1
+if any of ours is not row-invariant or exceeds the error bound of tests/test_fp8_gemm_kernels.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -34,7 +45,7 @@ import jax.numpy as jnp
 from fp8jax import quant
 from pallas_kernels import fp8_gemm_mgpu as mgpu
 from pallas_kernels import fp8_gemm_triton as tgemm
-from pallas_kernels.fp8_gemm import fp8_gemm_reference
+from pallas_kernels.fp8_gemm import bf16_gemm_reference, fp8_gemm_reference, invariant_dot
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
           "lm_head": (4096, 128256)}
@@ -266,16 +277,18 @@ def variants(ms, shapes, out_dir) -> int:
         err = rel_err(out, ref)
         log(f"  {tfl:.0f} TFLOP/s, x{tfl / base:.3f}, x{tfl / cub:.3f} cuBLAS, bitwise={same}, err={err:.1e}")
         c = mgpu._plan(c, m, n, k, jnp.bfloat16, False, mgpu._num_sms())[0]  # as it ran  # noqa: SLF001
-        flags = [f for f in ("cross_tile", "cluster_n") if getattr(c, f)]
-        short = (f"{c.split}/{c.wg_n} st{c.max_concurrent_steps} kb{c.k_blocks} wg{c.num_wgs}"
-                 f" {' '.join(flags)} {c.grid_minor_dim}{c.grid_tile_width}")
-        lines.append(f"| {m} | {name} | {short} | {tfl:.0f} | {tfl / base:.3f} | {tfl / cub:.3f} | {same} "
+        lines.append(f"| {m} | {name} | {short_config(c)} | {tfl:.0f} | {tfl / base:.3f} | {tfl / cub:.3f} | {same} "
                      f"| {err:.1e} |")
       del sets, q
+  return write_variants(lines, bad, out_dir, "bench_gemm_variants.md", "Schedule variants")
+
+
+def write_variants(lines, bad: int, out_dir, fname: str, title: str) -> int:
+  """Writes a variants table to out_dir/fname, prints it last; exit code 1 if any variant differed bitwise."""
   table_s = "\n".join(lines)
-  with open(os.path.join(out_dir, "bench_gemm_variants.md"), "w") as f:
+  with open(os.path.join(out_dir, fname), "w") as f:
     f.write(table_s + "\n")
-  print("\nSchedule variants (CUPTI kernel time, median of 5)\n" + table_s)
+  print(f"\n{title} (CUPTI kernel time, median of 5)\n" + table_s)
   return 1 if bad else 0
 
 
@@ -382,6 +395,164 @@ def smoke() -> int:
   return 0 if ok else 1
 
 
+BF16_CASES = ([(m, "lm_head") for m in (64, 256, 8192, 32768)]
+              + [(m, name) for m in (256, 8192) for name in ("qkv", "o", "gate_up", "down")])
+
+
+def bf16_out_dtype(name: str):
+  """As fp8jax.ops.linear calls it: FP32 logits from the lm_head, BF16 activations from the linears."""
+  return jnp.float32 if name == "lm_head" else jnp.bfloat16
+
+
+def bf16_bound(k: int, out_dtype) -> float:
+  """tests/test_fp8_gemm_kernels.py's bounds: (K/16) * 2^-23 for FP32 outputs, 5e-3 for BF16 ones."""
+  return k / 16 * 2.0**-23 if out_dtype == jnp.float32 else 5e-3
+
+
+def bf16_sets(m, n, k, r):
+  """r distinct (A (M, K), B (N, K)) BF16 operand sets (B at the 0.02 scale of initialized weights)."""
+  sets = []
+  for i in range(r):
+    ka, kb = jax.random.split(jax.random.key(2000 * i + m + n + k))
+    sets.append((jax.random.normal(ka, (m, k), jnp.bfloat16),
+                 (jax.random.normal(kb, (n, k), jnp.float32) * 0.02).astype(jnp.bfloat16)))
+  return jax.block_until_ready(sets)
+
+
+def sample_rows(m: int, count: int = 256):
+  """Up to ``count`` row indices spread over [0, M) (the FP32 reference costs K*N FLOPs per row)."""
+  return jnp.unique(jnp.linspace(0, m - 1, min(m, count)).astype(jnp.int32))
+
+
+def rows_invariant(fn, a, b, full) -> bool:
+  """Rows computed at M = 1 and M = 7 (at two places in A) bitwise equal to the same rows of ``full = fn(a, b)``."""
+  m = a.shape[0]
+  ok = True
+  for lo, size in ((0, 1), (m // 2, 1), (max(0, m - 7), 7), (m // 3, 7)):
+    size = min(size, m - lo)
+    ok &= bool(jnp.all(fn(a[lo:lo + size], b) == full[lo:lo + size]))
+  return ok
+
+
+def bf16_case(m, name):
+  k, n = SHAPES[name]
+  od = bf16_out_dtype(name)
+  flops = 2.0 * m * n * k
+  tf = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+  # Distinct operand sets per timed call keep decode-sized B in HBM (not L2); one set where the outputs are large.
+  r = 1 if m * n >= 2**30 else (2 if m >= 1024 else 4)
+  sets = bf16_sets(m, n, k, r)
+  a, b = sets[0]
+  rows = sample_rows(m)
+  ref = bf16_gemm_reference(a[rows], b)
+  cfg = mgpu._plan(mgpu.choose_bf16_config(m, n, k, out_dtype=od), m, n, k, od, False, mgpu._num_sms(),  # noqa: SLF001
+                   jnp.bfloat16)[0]
+  row = dict(m=m, shape=name, k=k, n=n, out_dtype=jnp.dtype(od).name, config=short_config(cfg),
+             bound=bf16_bound(k, od))
+  # Both jitted once per (shapes, out dtype), so the M = 1 / 7 row checks compile once per shape, not per case.
+  ours = functools.partial(mgpu.bf16_gemm, out_dtype=od)
+  xla = functools.partial(_xla_bf16_dot, out_dtype=od)
+  for key, fn in (("ours", ours), ("cublas", xla)):
+    try:
+      ms, out = jax_time_ms(fn, sets)
+      row.update({key: tf(ms), f"{key}_ms": ms, f"{key}_err": rel_err(out[rows], ref),
+                  f"{key}_rows_invariant": rows_invariant(fn, a, b, out)})
+      del out
+    except Exception:  # noqa: BLE001
+      log(f"  {key} failed:", traceback.format_exc()[-2000:])
+  if "ours" in row and "cublas" in row:
+    row["ratio"] = row["ours"] / row["cublas"]
+  row["ok"] = bool(row.get("ours_rows_invariant")) and row.get("ours_err", 1.0) <= row["bound"]
+  del sets, a, b, ref
+  return row
+
+
+@functools.partial(jax.jit, static_argnames="out_dtype")
+def _xla_bf16_dot(a, b, out_dtype):
+  return invariant_dot(a, b).astype(out_dtype)
+
+
+def short_config(c) -> str:
+  """A planned TuningConfig in a table cell."""
+  flags = [f for f in ("cross_tile", "cluster_n") if getattr(c, f)]
+  return (f"{c.split}/{c.wg_n} st{c.max_concurrent_steps} kb{c.k_blocks} wg{c.num_wgs}"
+          f" {' '.join(flags)} {c.grid_minor_dim}{c.grid_tile_width}")
+
+
+def bf16_table(rows):
+  lines = ["| M | shape (KxN), out | ours | cuBLAS (jnp.dot) | ours / cuBLAS | err ours | err cuBLAS | bound "
+           "| rows invariant: ours | cuBLAS | config |", "|" + "---|" * 11]
+  for r in rows:
+    lines.append("| {} | {} {}x{}, {} | {} | {} | {} | {} | {} | {:.1e} | {} | {} | {} |".format(
+        r["m"], r["shape"], r["k"], r["n"], r["out_dtype"], fmt(r.get("ours")), fmt(r.get("cublas")),
+        fmt(r.get("ratio"), "{:.2f}x"), fmt(r.get("ours_err"), "{:.1e}"), fmt(r.get("cublas_err"), "{:.1e}"),
+        r["bound"], r.get("ours_rows_invariant", "-"), r.get("cublas_rows_invariant", "-"), r["config"]))
+  return "\n".join(lines)
+
+
+def bf16_main(out_dir) -> int:
+  """--bf16: the table of BF16_CASES (module docstring); JSON + log into out_dir."""
+  log("device:", jax.devices()[0].device_kind, "| jax", jax.__version__, "| date", time.strftime("%Y-%m-%d %H:%M:%S"))
+  rows = []
+  for m, name in BF16_CASES:
+    t = time.time()
+    rows.append(bf16_case(m, name))
+    log(json.dumps(rows[-1]), f"({time.time() - t:.1f}s)")
+  with open(os.path.join(out_dir, "bench_gemm_bf16.json"), "w") as f:
+    json.dump(rows, f, indent=1)
+  with open(os.path.join(out_dir, "bench_gemm_bf16.log"), "w") as f:
+    f.write("\n".join(LOG))
+  print("\nBF16 GEMM: TFLOP/s (2MNK / median CUPTI kernel time), relative errors vs the FP32 reference on sampled "
+        "rows, bitwise row invariance (rows at M = 1 and 7 vs the M-row product)\n" + bf16_table(rows))
+  return 0 if all(r["ok"] for r in rows) else 1
+
+
+def bf16_variant_configs(m, n, k, od):
+  """BF16 schedule variants for --bf16 --variants; the first (choose_bf16_config's) is the bitwise reference."""
+  T = mgpu.TuningConfig
+  first = mgpu.choose_bf16_config(m, n, k, out_dtype=od)
+  if m >= 1024:
+    cands = [T("m", 128, 4, cross_tile=True), T("m", 128, 4, cross_tile=True, cluster_n=True),
+             T("m", 128, 2, k_blocks=2, cross_tile=True, cluster_n=True), T("m", 128, 8, cluster_n=True),
+             T("m", 128, 4, cross_tile=True, num_wgs=3, cluster_n=True), T("m", 128, 3, num_wgs=3, cluster_n=True)]
+  else:
+    cands = [T(s, w, st, k_blocks=kb, cross_tile=True) for s, w in (("m", 128), ("n", 64), ("n", 32), ("n", 16))
+             for st, kb in ((8, 1), (4, 2))] + [T("n", 64, 8), T("n", 32, 12)]
+  return [first] + [c for c in cands if c != first]
+
+
+def bf16_variants(out_dir) -> int:
+  """--bf16 --variants: BF16 schedule variants per shape, each checked bitwise against choose_bf16_config's."""
+  log("device:", jax.devices()[0].device_kind, "| jax", jax.__version__, "| date", time.strftime("%Y-%m-%d %H:%M:%S"))
+  lines = ["| M | shape, out | config (as run) | TFLOP/s | vs first | bitwise = first |", "|---|---|---|---|---|---|"]
+  bad = 0
+  for m, name in ((64, "lm_head"), (8192, "lm_head"), (256, "qkv"), (8192, "gate_up"), (64, "o")):
+    k, n = SHAPES[name]
+    od = bf16_out_dtype(name)
+    sets = bf16_sets(m, n, k, 1 if m * n >= 2**30 else 4)
+    first = base = None
+    for c in bf16_variant_configs(m, n, k, od):
+      if n % c.cta_n:
+        continue
+      try:
+        ms_, out = jax_time_ms(lambda a, b, c=c: mgpu.bf16_gemm(a, b, out_dtype=od, config=c), sets)
+      except Exception:  # noqa: BLE001
+        log(f"  {m} {name} {c} failed:", traceback.format_exc()[-1500:])
+        continue
+      tfl = 2.0 * m * n * k / (ms_ * 1e-3) / 1e12
+      if first is None:
+        first, base = out, tfl
+      same = bool(jnp.all(out == first))
+      bad += not same
+      c = mgpu._plan(c, m, n, k, od, False, mgpu._num_sms(), jnp.bfloat16)[0]  # as it ran  # noqa: SLF001
+      lines.append(f"| {m} | {name}, {jnp.dtype(od).name} | {short_config(c)} | {tfl:.0f} | {tfl / base:.3f} "
+                   f"| {same} |")
+      log(lines[-1])
+      del out
+    del sets, first
+  return write_variants(lines, bad, out_dir, "bench_gemm_bf16_variants.md", "BF16 schedule variants")
+
+
 def ncu_target(name: str, m: int = 8192) -> int:
   """A short program for Nsight Compute: our kernel and cuBLAS blockwise on one shape, 3 launches each, after a
   warm-up. Profile with scripts/ncu_gemm.sh (it filters the kernels by name)."""
@@ -411,7 +582,16 @@ def main():
   p.add_argument("--variants", action="store_true", help="time schedule variants side by side (and check bits)")
   p.add_argument("--quant", action="store_true", help="activation-quantization cost vs the layer's GEMMs")
   p.add_argument("--ncu-target", default=None, help="run one M=8192 shape's kernels for ncu (scripts/ncu_gemm.sh)")
+  p.add_argument("--bf16", action="store_true",
+                 help="BF16 mode of our kernel vs jnp.dot (cuBLAS) at the lm_head and 8B linear shapes (--variants: "
+                      "BF16 schedule variants); ignores --ms/--shapes")
   args = p.parse_args()
+  if args.bf16:
+    from fp8jax import ops  # noqa: PLC0415
+    if not ops.hopper_available():
+      print("bench_gemm.py --bf16 needs an sm_90 (Hopper) GPU", file=sys.stderr)
+      return 2
+    return bf16_variants(args.out) if args.variants else bf16_main(args.out)
   if args.smoke:
     return smoke()
   if args.ncu_target:

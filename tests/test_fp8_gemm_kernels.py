@@ -1,9 +1,10 @@
-"""Block-scaled FP8 GEMM kernels (Mosaic GPU for sm_90, Triton fallback) against the plain-jnp reference.
+"""Block-scaled FP8 GEMM kernels (Mosaic GPU for sm_90, Triton fallback) and the Mosaic kernel's BF16 mode against
+their plain-jnp references.
 
-CPU (CI): both kernels in interpret mode on fresh random data (ragged M included), and lowering for the ``cuda``
+CPU (CI): the kernels in interpret mode on fresh random data (ragged M included), and lowering for the ``cuda``
 platform (Mosaic: the whole Pallas -> Mosaic GPU lowering; Triton: Pallas -> Triton IR for an abstract H200).
 GPU (``-m gpu``, skipped without an sm_90 GPU): kernel vs reference on all Llama-3.1-8B shapes, bitwise batch
-invariance, the wgrad (1x128 x 1x128) variant.
+invariance, the wgrad (1x128 x 1x128) variant; BF16 mode on the lm_head and linear shapes (its bounds: BF16 section).
 
 Error bounds (relative Frobenius norm ||out - ref|| / ||ref|| on the same quantized operands):
 * interpret mode, FP32 output: <= 1e-6 (the same FP32 block math, only summation order inside a block differs);
@@ -25,7 +26,7 @@ from fp8jax import ops
 
 from pallas_kernels import fp8_gemm_mgpu as mgpu
 from pallas_kernels import fp8_gemm_triton as tgemm
-from pallas_kernels.fp8_gemm import fp8_gemm_reference
+from pallas_kernels.fp8_gemm import bf16_gemm_reference, fp8_gemm_reference
 
 LLAMA_8B_SHAPES = {  # name: (K, N) of C = A . B^T with B stored (N, K)
     "qkv": (4096, 6144),
@@ -291,3 +292,183 @@ def test_gpu_triton_matches_reference_and_is_batch_invariant(m, name, row_scales
   a_q, a_s, b_q, b_s = ops
   part = tgemm.fp8_gemm(a_q[m // 2:], a_s[m // 2:], b_q, b_s, out_dtype=jnp.float32)
   np.testing.assert_array_equal(np.asarray(part), np.asarray(out[m // 2:]))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# BF16 mode of the Mosaic kernel (bf16_gemm): CPU twins, then the GPU
+# ------------------------------------------------------------------------------------------------------------------
+#
+# Bounds (relative Frobenius norm against bf16_gemm_reference, an FP32 dot of the same BF16 values):
+# * interpret mode, FP32 output: <= 1e-6 (FP32 sums of the same exact products, in another order);
+# * GPU, FP32 output: <= (K / 16) * 2^-23. Each k16 wgmma adds into the FP32 accumulator; allowing each of the K/16
+#   steps one FP32 ulp of error in the same direction (a tensor core that truncates) bounds the drift, and the
+#   reference's own error is far below it. K = 4096: 3.1e-5; K = 14336: 1.1e-4;
+# * BF16 output: <= 5e-3 (one BF16 rounding of each element, 2^-9 relative, plus the above).
+
+BF16_SHAPES = {  # name: (K, N) of the lm_head-like and Llama-3.1-8B linear GEMMs the BF16 configs are chosen for
+    "lm_head": (4096, 128256),
+    "lm_head_32k": (4096, 32768),
+    "lm_head_32k_k1024": (1024, 32768),
+    "qkv": (4096, 6144),
+    "o": (4096, 4096),
+    "gate_up": (4096, 28672),
+    "down": (14336, 4096),
+}
+BF16_MS = [1, 7, 64, 256, 1024, 2048, 8192, 32768]
+
+
+def _bf16_out(name: str):
+  """The lm_head writes FP32 logits, the linears BF16 activations (as fp8jax.ops.linear calls them)."""
+  return jnp.float32 if name.startswith("lm_head") else jnp.bfloat16
+
+
+def _shipped_bf16_configs() -> dict:
+  """Every config choose_bf16_config returns over the shape grid (both output dtypes) -> one (M, shape) using it."""
+  out = {}
+  for m in BF16_MS:
+    for name, (k, n) in BF16_SHAPES.items():
+      for od in (jnp.float32, jnp.bfloat16):
+        out.setdefault(mgpu.choose_bf16_config(m, n, k, 132, od), (m, name, od))
+  return out
+
+
+def _bf16_operands(seed: int, m: int, n: int, k: int):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  return (jax.random.normal(k1, (m, k), jnp.float32).astype(jnp.bfloat16),
+          (0.05 * jax.random.normal(k2, (n, k), jnp.float32)).astype(jnp.bfloat16))
+
+
+BF16_CASES = [  # (m, n, k, config or None, out_dtype); the interpreter runs 2 consumer warpgroups (see _resolve)
+    (1, 256, 256, None, jnp.float32),
+    (7, 256, 384, None, jnp.bfloat16),
+    (130, 256, 256, mgpu.TuningConfig(split="m", wg_n=64, max_concurrent_steps=2), jnp.float32),
+    (64, 512, 256, mgpu.TuningConfig(split="n", wg_n=128, max_concurrent_steps=3), jnp.bfloat16),
+    (130, 256, 512, mgpu.TuningConfig(split="m", wg_n=64, max_concurrent_steps=2, k_blocks=2), jnp.float32),
+    (70, 512, 256, mgpu.TuningConfig(split="n", wg_n=32, max_concurrent_steps=2, cluster_n=True), jnp.float32),
+]
+
+
+@pytest.mark.parametrize("m,n,k,cfg,out_dtype", BF16_CASES)
+def test_bf16_interpret_matches_reference(m, n, k, cfg, out_dtype):
+  a, b = _bf16_operands(m + n + k, m, n, k)
+  out = mgpu.bf16_gemm(a, b, out_dtype=out_dtype, config=cfg, interpret=True)
+  assert out.shape == (m, n) and out.dtype == out_dtype
+  assert _rel_err(out, bf16_gemm_reference(a, b)) <= (1e-6 if out_dtype == jnp.float32 else 5e-3)
+
+
+def test_bf16_interpret_rows_do_not_depend_on_m():
+  """Interpret-mode twin of the GPU batch-invariance test: small integers, so every sum is exact on CPU too and
+  equality checks row placement, M padding and another config's tiling (bits of the hardware math: GPU test)."""
+  k1, k2 = jax.random.split(jax.random.key(12))
+  a = jax.random.randint(k1, (130, 256), -8, 9).astype(jnp.bfloat16)
+  b = jax.random.randint(k2, (256, 256), -8, 9).astype(jnp.bfloat16)
+  full = mgpu.bf16_gemm(a, b, out_dtype=jnp.float32, interpret=True)
+  np.testing.assert_array_equal(np.asarray(full), np.asarray(bf16_gemm_reference(a, b)))
+  part = mgpu.bf16_gemm(a[100:107], b, out_dtype=jnp.float32, interpret=True,
+                        config=mgpu.TuningConfig(split="n", wg_n=32, k_blocks=2))
+  np.testing.assert_array_equal(np.asarray(part), np.asarray(full[100:107]))
+
+
+def test_bf16_bad_shapes_raise():
+  a, b = _bf16_operands(0, 8, 256, 256)
+  with pytest.raises(ValueError, match=r"N = 200 and K = 256 .*multiples of 128"):
+    mgpu.bf16_gemm(a, b[:200])
+  with pytest.raises(ValueError, match=r"N = 256 and K = 200 .*multiples of 128"):
+    mgpu.bf16_gemm(a[:, :200], b[:, :200])
+  with pytest.raises(ValueError, match="contraction dims differ"):
+    mgpu.bf16_gemm(a, b[:, :128])
+  with pytest.raises(ValueError, match="A must be bfloat16, got float32"):
+    mgpu.bf16_gemm(a.astype(jnp.float32), b)
+  with pytest.raises(ValueError, match="out_dtype"):
+    mgpu.bf16_gemm(a, b, out_dtype=jnp.float16)
+  with pytest.raises(ValueError, match="bfloat16"):
+    bf16_gemm_reference(a, b.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("m", BF16_MS)
+def test_bf16_config_per_shape_class(m):
+  """Every BF16 pick tiles N exactly, keeps decode CTAs 64 rows high, and (as planned for its shape and output
+  dtype) keeps a ring of >= 4 stages, which is what its docstring's SMEM arithmetic promises."""
+  for name, (k, n) in BF16_SHAPES.items():
+    for od in (jnp.float32, jnp.bfloat16):
+      cfg = mgpu.choose_bf16_config(m, n, k, 132, od)
+      assert n % cfg.cta_n == 0
+      assert cfg.cta_m == 64 or m > 64
+      planned = mgpu._plan(cfg, m, n, k, od, False, 132, jnp.bfloat16)[0]
+      assert planned.max_concurrent_steps >= 4, (m, name, od, planned)
+      assert not (planned.num_wgs == 3 and od == jnp.float32)
+
+
+@pytest.mark.parametrize("m", [1, 64, 256, 8192, 32768])
+def test_bf16_lowers_for_cuda_shapes(m):
+  """The whole Pallas -> Mosaic GPU lowering of the chosen config for every lm_head / linear shape."""
+  for name, (k, n) in BF16_SHAPES.items():
+    f = functools.partial(mgpu.bf16_gemm, out_dtype=_bf16_out(name), num_sms=132)
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.bfloat16))
+    assert "mosaic_gpu" in _lower_cuda(f, *args)
+
+
+@pytest.mark.parametrize("cfg", list(_shipped_bf16_configs()) + [
+    mgpu.TuningConfig(split="m", wg_n=128, max_concurrent_steps=2, k_blocks=2, cross_tile=True),
+    mgpu.TuningConfig(split="n", wg_n=128, max_concurrent_steps=4),
+    mgpu.TuningConfig(split="m", wg_n=128, max_concurrent_steps=4, cross_tile=True, num_wgs=3, cluster_n=True),
+], ids=str)
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_bf16_lowers_for_cuda_configs(cfg, out_dtype):
+  """Each shipped config (and the extra ones the GPU invariance test runs), both output dtypes."""
+  f = functools.partial(mgpu.bf16_gemm, out_dtype=out_dtype, config=cfg, num_sms=132)
+  args = (jax.ShapeDtypeStruct((200, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16))
+  assert "mosaic_gpu" in _lower_cuda(f, *args)
+
+
+def _bf16_bound(k: int) -> float:
+  return k / 16 * 2.0**-23
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("name", list(BF16_SHAPES))
+@pytest.mark.parametrize("m", [1, 130, 1024])
+def test_gpu_bf16_matches_reference(name, m):
+  k, n = BF16_SHAPES[name]
+  a, b = _bf16_operands(m + list(BF16_SHAPES).index(name), m, n, k)
+  ref = bf16_gemm_reference(a, b)
+  out32 = mgpu.bf16_gemm(a, b, out_dtype=jnp.float32)
+  assert _rel_err(out32, ref) <= _bf16_bound(k)
+  out16 = mgpu.bf16_gemm(a, b, out_dtype=jnp.bfloat16)
+  assert out16.dtype == jnp.bfloat16 and _rel_err(out16, ref) <= 5e-3
+  np.testing.assert_array_equal(np.asarray(out16), np.asarray(out32.astype(jnp.bfloat16)))  # one rounding, RNE
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("name", ["lm_head", "qkv", "gate_up"])
+def test_gpu_bf16_batch_invariance_bitwise(name):
+  """Rows of C at M = 1, 7, 64, 256 (each with its own chosen config) are bitwise the same rows inside M = 8192."""
+  k, n = BF16_SHAPES[name]
+  od = _bf16_out(name)
+  a, b = _bf16_operands(7, 8192, n, k)
+  full = np.asarray(mgpu.bf16_gemm(a, b, out_dtype=od))
+  for m, start in ((1, 0), (1, 4097), (7, 123), (64, 64), (256, 7936), (256, 1001)):
+    part = mgpu.bf16_gemm(a[start:start + m], b, out_dtype=od)
+    np.testing.assert_array_equal(np.asarray(part), full[start:start + m], err_msg=f"M={m} start={start}")
+  perm = np.random.default_rng(0).permutation(8192)[:300]
+  np.testing.assert_array_equal(np.asarray(mgpu.bf16_gemm(a[perm], b, out_dtype=od)), full[perm],
+                                err_msg="rows moved within A")
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_bf16_configs_bitwise(out_dtype):
+  """Every shipped config, and the other schedules, gives the same bits (16 SMs: cross_tile CTAs get >= 2 tiles)."""
+  k, n = BF16_SHAPES["qkv"]
+  a, b = _bf16_operands(8, 512, n, k)
+  first = np.asarray(mgpu.bf16_gemm(a, b, out_dtype=out_dtype))
+  T = mgpu.TuningConfig
+  others = [T(split=s, wg_n=w) for s in ("m", "n") for w in (16, 32, 64, 128)] + [
+      T("m", 128, 2, k_blocks=2, cross_tile=True), T("n", 32, 4, k_blocks=2, cluster_n=True),
+      T("m", 128, 4, cross_tile=True, num_wgs=3), T("m", 128, 4, cross_tile=True, num_wgs=3, cluster_n=True)]
+  for cfg in list(_shipped_bf16_configs()) + others:
+    out = mgpu.bf16_gemm(a, b, out_dtype=out_dtype, config=cfg, num_sms=16)
+    np.testing.assert_array_equal(np.asarray(out), first, err_msg=f"config {cfg}")
