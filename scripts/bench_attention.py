@@ -19,7 +19,8 @@ the live bytes (the K/V rows each slot actually needs, read once), against the m
 grad, for each attention implementation in its own process (peak_bytes_in_use is per process): step time (median of
 3 after warm-up) and peak device memory. ``--impls`` entries may add ``+whole_head`` (the unchunked output head: one
 (N, V) logits tensor and whole-row log-softmax, as before fp8jax.model.head), ``+bf16`` (the BF16 recipe) and
-``+xla_norm`` (XLA's RMSNorm fusions instead of the fixed-tile Pallas kernel).
+``+xla_norm`` (XLA's RMSNorm fusions instead of the fixed-tile Pallas kernel), ``+xla_gemm`` (cuBLAS for the BF16
+GEMMs: with ``+bf16 +xla_norm`` and cudnn attention, the BF16 recipe without any batch-invariant kernel).
 """
 
 from __future__ import annotations
@@ -184,7 +185,8 @@ def _whole_head(w, h_NxD, tokens_N, lcfg, temperature=1.0):
 
 def _train_step_child(impl_spec: str, seqs: int, seq_len: int, layers: int):
   """impl_spec = attention ('ours' | 'cudnn' | 'xla_einsum') + optional '+whole_head' (the unchunked output head)
-  and '+bf16' (the BF16 recipe instead of FP8) and '+xla_norm' (XLA's RMSNorm instead of the fixed-tile kernel)."""
+  and '+bf16' (the BF16 recipe instead of FP8), '+xla_norm' (XLA's RMSNorm instead of the fixed-tile kernel) and
+  '+xla_gemm' (fp8.gemm_backend='xla': cuBLAS for BF16 GEMMs, the XLA reference for FP8 ones)."""
   from fp8jax import quant  # noqa: PLC0415
   from fp8jax.model import ModelConfig, head, init_params, llama  # noqa: PLC0415
 
@@ -205,7 +207,8 @@ def _train_step_child(impl_spec: str, seqs: int, seq_len: int, layers: int):
                     attn_backend="pallas" if impl == "ours" else "xla",
                     norm_backend="xla" if "xla_norm" in variants else "auto")
   params = init_params(cfg, seed=0)
-  recipe = quant.Recipe(mode="bf16" if "bf16" in variants else "fp8")
+  recipe = quant.Recipe(mode="bf16" if "bf16" in variants else "fp8",
+                        gemm_backend="xla" if "xla_gemm" in variants else "auto")
   lcfg = ops.LinearConfig.from_recipe(recipe)
   toks = jax.random.randint(jax.random.key(1), (seqs, seq_len), 0, cfg.vocab_size)
 
