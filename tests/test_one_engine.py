@@ -41,3 +41,14 @@ def test_blocks_bitwise_gpu(recipe, quantize_lm_head):
                                      one_engine.recipes(quantize_lm_head)[recipe], rows=64, length=64)
   bad = [r for r in rows if r["rows_bitwise"] < 1]
   assert not bad, bad
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 GPU (the Pallas kernels)")
+@pytest.mark.parametrize("recipe", ["bf16", "fp8", "fp8+kv"])
+def test_sampler_vs_trainer_exact_gpu(recipe):
+  """The issue's promise at a small workload: token_mult_prob_error exactly 1.0, every log-prob bitwise."""
+  cfg = one_engine.model_config(1024, 2, 32768)
+  prompts = [np.random.default_rng(i).integers(0, 32768, size=8 + 3 * i).tolist() for i in range(16)]
+  m = one_engine.sampler_vs_trainer(cfg, one_engine.recipes()[recipe], prompts, slots=32, samples=2, max_new=32)
+  assert m["token_mult_prob_error"] == 1.0 and m["bitwise_equal_frac"] == 1.0, m
