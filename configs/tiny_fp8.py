@@ -49,7 +49,7 @@ def get_config(arg=None):
       max_len=16,  # prompt + completion tokens per sequence (also the training sequence length)
       max_new_tokens=6,
       temperature=1.0, top_p=1.0, top_k=0,
-      decode_chunk=8,  # decode steps per jitted call (finished slots are refilled inside it, every step)
+      decode_chunk=8,  # decode steps per jitted call; finished slots are refilled between calls
       kv_scale_margin=1.25,  # FP8 KV scale = margin * amax / 448 (fp8jax.kvcache)
       prompt_buckets=(16,)))
 

@@ -3,21 +3,17 @@
 How a batch of requests (prompts x n samples) is generated:
   1. prefill: one forward over the *distinct* prompts (right-padded to a length bucket) fills a prompt KV cache;
      the n samples of a prompt share it (prompt sharing: one prefill per prompt, never n);
-  2. continuous batching inside the jitted loop: ``slots`` rows of a static (slots x max_len) KV cache, and the queue
-     of pending requests on the device (``_Queue``: request -> prompt, prompt lengths, last prompt tokens). Every
-     decode step first gives each free slot the next pending request (a cumsum over the free slots is its offset in
-     the queue), copies that prompt's KV rows in and points the slot at the last prompt token, which the same step
-     re-reads to produce the first new token. A slot whose sequence stops (stop token or length) is thus refilled on
-     the next step, with no host round trip. The host launches chunks of ``decode_chunk`` steps (a while_loop that
-     exits once every request is done) and reads one "all done" flag per chunk, one chunk late, so the device does
-     not wait for it;
+  2. continuous batching: ``slots`` rows of a static (slots x max_len) KV cache. A free slot takes the next pending
+     request: its prompt's KV rows are copied in, and its position is set to the last prompt token, which the decode
+     step re-reads to produce the first new token. When a sequence stops (stop token or length), the slot is freed
+     and refilled at the next chunk boundary (every ``decode_chunk`` steps; the decode loop runs inside jit);
   3. each decode step computes the logits and their logsumexp with the trainer's chunked head
      (``fp8jax.model.head``: the same chunked GEMMs and row statistics) and reports z[token] - logsumexp for the
      sampled token. The reported log-prob is that of the temperature-scaled distribution, without top-p/top-k
      renormalization, so sampler-vs-trainer mismatch measures numerics only.
 Randomness is per request: token i of request r is drawn by Gumbel-max with uniforms from a counter-based hash of
 (seed, r, i, vocab index) (``uniforms``), so a request's completion does not depend on which slot, step or batch it
-ran in, and a draw costs a few integer ops per logit instead of threefry's.
+ran in, and the draw costs a few integer ops per logit instead of threefry's.
 """
 
 from __future__ import annotations
@@ -64,7 +60,7 @@ class SamplerConfig:
   max_len: int = 256  # prompt + completion tokens per slot
   prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)
   kv_cache: str = "bf16"  # "bf16" | "fp8"
-  decode_chunk: int = 16  # decode steps per jitted call; the host checks "all done" between calls (refills: every step)
+  decode_chunk: int = 16  # decode steps per jitted call (slots are refilled between calls)
   memory_fraction: float = 0.9  # the KV caches may use at most this fraction of free device memory
 
   def bucket(self, n: int) -> int:
@@ -164,28 +160,16 @@ def sample_tokens(logits_BxV, sp: SamplingParams, seed, request_B, position_B):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class _Queue:
-  """The requests, on the device; they start in id order (request r runs prompt prompt_of_req[r])."""
-
-  prompt_of_req: jax.Array  # (R,)
-  prompt_lens: jax.Array  # (P,)
-  prompt_last_tok: jax.Array  # (P,)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
 class _State:
   cache: kvc.KVCache
   slot_req: jax.Array  # (S,) request id or -1
   slot_pos: jax.Array  # (S,) position of the token to feed next
   slot_tok: jax.Array  # (S,) token to feed next
   slot_gen: jax.Array  # (S,) tokens generated so far
-  next_req: jax.Array  # () the first request no slot has taken yet
   out_tok: jax.Array  # (R, max_new)
   out_lp: jax.Array
   out_len: jax.Array  # (R,)
   out_finish: jax.Array  # (R,)
-  steps: jax.Array  # () decode steps run
   busy_steps: jax.Array  # () slot-steps that did useful work
 
 
@@ -220,56 +204,33 @@ class Sampler:
     _, cache, aux = llama.forward(params, tokens_PxT, c, self.lcfg, positions_BxT=pos, cache=cache)
     return cache, aux
 
-  def _refill(self, st: _State, prompt_cache: kvc.KVCache, queue: _Queue) -> _State:
-    """Free slots take the next pending requests, in slot order: copy the prompt's KV rows, point at its last token.
+  @functools.partial(fp8jax.jit, static_argnums=(0,), donate_argnums=(1,))
+  def _refill(self, state: _State, prompt_cache, new_req_S, prompt_of_req, prompt_lens, prompt_last_tok):
+    """Slots with new_req >= 0 start request new_req: copy its prompt's KV rows, point at its last prompt token."""
+    take = new_req_S >= 0
+    p_idx = prompt_of_req[jnp.maximum(new_req_S, 0)]
+    plen = prompt_lens[p_idx]
+    rows = jnp.where(take, jnp.arange(take.shape[0]), take.shape[0])  # out-of-range rows are dropped
+    s = prompt_cache.max_len
 
-    Part of every decode step (the refill used to wait for the host between chunks, leaving finished slots idle
-    for up to a chunk). The copy loops over the slots that take a request (usually none or one), each a
-    dynamic_update_slice of one prompt's rows into the cache carried by the loop, updated in place: its cost is
-    that of the rows copied, not of a (slots x prompt length) gather per step.
-    """
-    n_slots, n_req = st.slot_req.shape[0], queue.prompt_of_req.shape[0]
-    free = st.slot_req < 0
-    new_req = st.next_req + jnp.cumsum(free) - 1  # the k-th free slot takes the k-th pending request
-    take = free & (new_req < n_req)
-    n_take = jnp.sum(take)
-    p_of_slot = queue.prompt_of_req[jnp.minimum(new_req, n_req - 1)]
-    takers = jnp.argsort(~take, stable=True)  # the slots that take a request first, in slot order
+    def cp(dst, src):
+      return dst.at[rows, :s].set(src[p_idx].astype(dst.dtype), mode="drop")
 
-    def copy_one(j, kv):
-      slot = takers[j]
-      p = p_of_slot[slot]
-
-      def cp(dst, src):
-        row = jax.lax.dynamic_index_in_dim(src, p, 0, keepdims=True).astype(dst.dtype)
-        return jax.lax.dynamic_update_slice_in_dim(dst, row, slot, 0)
-
-      ks, vs = kv
-      return [cp(d, x) for d, x in zip(ks, prompt_cache.k)], [cp(d, x) for d, x in zip(vs, prompt_cache.v)]
-
-    k, v = jax.lax.fori_loop(0, n_take, copy_one, (st.cache.k, st.cache.v))
-    plen = queue.prompt_lens[p_of_slot]
+    cache = dataclasses.replace(state.cache, k=[cp(d, x) for d, x in zip(state.cache.k, prompt_cache.k)],
+                                v=[cp(d, x) for d, x in zip(state.cache.v, prompt_cache.v)])
     return dataclasses.replace(
-        st, cache=dataclasses.replace(st.cache, k=k, v=v), slot_req=jnp.where(take, new_req, st.slot_req),
-        slot_pos=jnp.where(take, plen - 1, st.slot_pos),
-        slot_tok=jnp.where(take, queue.prompt_last_tok[p_of_slot], st.slot_tok),
-        slot_gen=jnp.where(take, 0, st.slot_gen), next_req=st.next_req + n_take)
+        state, cache=cache, slot_req=jnp.where(take, new_req_S, state.slot_req),
+        slot_pos=jnp.where(take, plen - 1, state.slot_pos),
+        slot_tok=jnp.where(take, prompt_last_tok[p_idx], state.slot_tok),
+        slot_gen=jnp.where(take, 0, state.slot_gen))
 
   @functools.partial(fp8jax.jit, static_argnums=(0, 3, 4), donate_argnums=(2,))
-  def _decode(self, params, state: _State, sp: SamplingParams, steps: int, seed, prompt_cache, queue: _Queue):
-    """Up to ``steps`` decode steps (each one refills free slots first); stops early once every request is done.
-
-    Returns (state, all_done)."""
+  def _decode(self, params, state: _State, sp: SamplingParams, steps: int, seed):
     c, max_new = self.cfg, sp.max_new_tokens
     stop_ids = jnp.asarray(sp.stop_token_ids or (-1,), jnp.int32)
     max_len = self.scfg.max_len  # the cache may hold more (whole attention blocks); sequences stop here
-    n_req = queue.prompt_of_req.shape[0]
 
-    def all_done(st: _State):
-      return (st.next_req >= n_req) & jnp.all(st.slot_req < 0)
-
-    def step(st: _State):
-      st = self._refill(st, prompt_cache, queue)
+    def step(_, st: _State):
       active = st.slot_req >= 0
       hidden, cache, _ = llama.forward(params, st.slot_tok[:, None], c, self.lcfg,
                                        positions_BxT=st.slot_pos[:, None], cache=st.cache)
@@ -277,28 +238,22 @@ class Sampler:
       lg, lse = head.logits_and_lse(head.head_weight(params, c.tie_embeddings), hidden[:, 0], self.lcfg, lp_temp)
       tok = sample_tokens(lg, sp, seed, jnp.maximum(st.slot_req, 0), st.slot_gen)
       lp = head.token_logprob(lg, lse, tok, lp_temp)
-      req = jnp.where(active, st.slot_req, n_req)  # inactive slots write out of range -> dropped
+      req = jnp.where(active, st.slot_req, st.out_tok.shape[0])  # inactive slots write out of range -> dropped
       out_tok = st.out_tok.at[req, st.slot_gen].set(tok, mode="drop")
       out_lp = st.out_lp.at[req, st.slot_gen].set(lp, mode="drop")
       gen = st.slot_gen + 1
       stopped = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
       too_long = (gen >= max_new) | (st.slot_pos + 2 >= max_len)
       done = active & (stopped | too_long)
-      out_len = st.out_len.at[jnp.where(done, req, n_req)].set(gen, mode="drop")
-      out_finish = st.out_finish.at[jnp.where(done, req, n_req)].set(
+      out_len = st.out_len.at[jnp.where(done, req, st.out_tok.shape[0])].set(gen, mode="drop")
+      out_finish = st.out_finish.at[jnp.where(done, req, st.out_tok.shape[0])].set(
           jnp.where(stopped, FINISH_STOP, FINISH_LENGTH), mode="drop")
-      return dataclasses.replace(
-          st, cache=cache, slot_req=jnp.where(done, -1, st.slot_req),
-          slot_pos=jnp.where(active, st.slot_pos + 1, st.slot_pos), slot_tok=jnp.where(active, tok, st.slot_tok),
-          slot_gen=jnp.where(active, gen, st.slot_gen), out_tok=out_tok, out_lp=out_lp, out_len=out_len,
-          out_finish=out_finish, steps=st.steps + 1, busy_steps=st.busy_steps + jnp.sum(active))
+      return _State(cache=cache, slot_req=jnp.where(done, -1, st.slot_req),
+                    slot_pos=jnp.where(active, st.slot_pos + 1, st.slot_pos), slot_tok=jnp.where(active, tok, st.slot_tok),
+                    slot_gen=jnp.where(active, gen, st.slot_gen), out_tok=out_tok, out_lp=out_lp, out_len=out_len,
+                    out_finish=out_finish, busy_steps=st.busy_steps + jnp.sum(active))
 
-    def cond(carry):
-      i, st = carry
-      return (i < steps) & ~all_done(st)
-
-    _, state = jax.lax.while_loop(cond, lambda carry: (carry[0] + 1, step(carry[1])), (jnp.int32(0), state))
-    return state, all_done(state)
+    return jax.lax.fori_loop(0, steps, step, state)
 
   # -- driver -------------------------------------------------------------------------------------------------------
 
@@ -369,34 +324,37 @@ class Sampler:
                              v_scale_L=vs),
         slot_req=jnp.full((s.slots,), -1, jnp.int32), slot_pos=jnp.zeros((s.slots,), jnp.int32),
         slot_tok=jnp.zeros((s.slots,), jnp.int32), slot_gen=jnp.zeros((s.slots,), jnp.int32),
-        next_req=jnp.zeros((), jnp.int32),
         out_tok=jnp.zeros((r, sp.max_new_tokens), jnp.int32), out_lp=jnp.zeros((r, sp.max_new_tokens), jnp.float32),
-        out_len=jnp.zeros((r,), jnp.int32), out_finish=jnp.zeros((r,), jnp.int32), steps=jnp.zeros((), jnp.int32),
-        busy_steps=jnp.zeros((), jnp.int32))
-    prompt_of_req = np.repeat(np.arange(n_prompts, dtype=np.int32), n)
-    queue = _Queue(prompt_of_req=jnp.asarray(prompt_of_req), prompt_lens=jnp.asarray(lens),
-                   prompt_last_tok=toks[jnp.arange(n_prompts), jnp.asarray(lens) - 1])
+        out_len=jnp.zeros((r,), jnp.int32), out_finish=jnp.zeros((r,), jnp.int32), busy_steps=jnp.zeros((), jnp.int32))
+    prompt_of_req = jnp.asarray(np.repeat(np.arange(n_prompts), n), jnp.int32)
+    last_tok = toks[jnp.arange(n_prompts), jnp.asarray(lens) - 1]
+    lens_j = jnp.asarray(lens)
     seed = jnp.uint32(sp.seed % 2**32)
     static_sp = dataclasses.replace(sp, seed=0)  # the seed is traced: no recompile per seed
-    state, done = self._decode(params, state, static_sp, s.decode_chunk, seed, prompt_cache, queue)
+    next_req, steps, free = 0, 0, np.ones(s.slots, bool)
     while True:
-      # the next chunk is queued before the host reads the last one's flag (one chunk late): the device does not
-      # wait for the host; once everything is done the extra chunk runs zero steps
-      state, next_done = self._decode(params, state, static_sp, s.decode_chunk, seed, prompt_cache, queue)
-      if bool(done):
+      if next_req < r and free.any():
+        new = np.full(s.slots, -1, np.int32)
+        idx = np.flatnonzero(free)[: r - next_req]
+        new[idx] = np.arange(next_req, next_req + len(idx))
+        next_req += len(idx)
+        state = self._refill(state, prompt_cache, jnp.asarray(new), prompt_of_req, lens_j, last_tok)
+      state = self._decode(params, state, static_sp, s.decode_chunk, seed)
+      steps += s.decode_chunk
+      free = np.asarray(state.slot_req) < 0  # one host sync per chunk
+      if next_req >= r and free.all():
         break
-      done = next_done
-    out_len, steps = np.asarray(state.out_len), int(state.steps)
+    out_len = np.asarray(state.out_len)
     t_total = time.perf_counter() - t0
     gen_tokens = int(out_len.sum())
     stats = {"prefill_s": t_prefill, "generate_s": t_total, "generated_tokens": gen_tokens,
              "prefill_tokens": int(lens.sum()), "gen_tokens_per_s": gen_tokens / max(t_total - t_prefill, 1e-9),
              "prefill_tokens_per_s": int(lens.sum()) / max(t_prefill, 1e-9), "decode_steps": steps,
-             "mean_occupancy": int(state.busy_steps) / max(steps * s.slots, 1)}
+             "mean_occupancy": float(np.asarray(state.busy_steps)) / max(steps * s.slots, 1)}
     toks_np = np.asarray(toks)
-    return Rollout(prompt_idx=prompt_of_req, prompt_tokens=toks_np[prompt_of_req], prompt_lens=lens[prompt_of_req],
-                   tokens=np.asarray(state.out_tok), logprobs=np.asarray(state.out_lp), lengths=out_len,
-                   finish_reason=np.asarray(state.out_finish),
+    return Rollout(prompt_idx=np.asarray(prompt_of_req), prompt_tokens=toks_np[np.asarray(prompt_of_req)],
+                   prompt_lens=lens[np.asarray(prompt_of_req)], tokens=np.asarray(state.out_tok),
+                   logprobs=np.asarray(state.out_lp), lengths=out_len, finish_reason=np.asarray(state.out_finish),
                    stats=stats)
 
 

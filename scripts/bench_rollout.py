@@ -19,7 +19,7 @@ layer unrolled in the loop body, one program per config and workload) and of the
 with --configs). --tiny = a 2-layer, 256-wide model for CPU. Any explicit flag overrides its preset.
 
 Columns:
-  tok/s      generated tokens / decode wall time (generate_s - prefill_s, host syncs included)
+  tok/s      generated tokens / decode wall time (generate_s - prefill_s, host syncs and slot refills included)
   e2e tok/s  generated tokens / whole generate() wall time (prefill included): what is compared with tunix, whose
              sampler is timed end to end (its call also detokenizes on the host, with a trivial id tokenizer here)
   vs bf16    tok/s over fp8jax BF16's tok/s on the same workload
@@ -90,7 +90,7 @@ def parse_args(argv=None):
   g = p.add_mutually_exclusive_group()
   g.add_argument("--full", action="store_true", help="32 layers, max_new 1024 (the issue's workload)")
   g.add_argument("--tiny", action="store_true", help="tiny model for a CPU smoke test")
-  for name in PRESETS["default"]:  # decode_chunk: decode steps per jitted call (the host checks "all done" between)
+  for name in PRESETS["default"]:  # decode_chunk: decode steps per jitted call (the slot refill granularity)
     p.add_argument(f"--{name}", type=int, default=None, help=f"default: {PRESETS['default'][name]} (preset)")
   p.add_argument("--configs", default="bf16,fp8,fp8kv", help="comma list of " + ",".join(CONFIGS))
   p.add_argument("--workloads", default="uniform,long_tail", help="comma list of uniform,long_tail")
