@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.fp8_gemm import BLOCK, fp8_gemm_reference, invariant_dot
 
@@ -152,3 +153,18 @@ def grouped_dot_wgrad(ct_MxN, x_MxK, group_sizes_E, num_experts: int) -> jax.Arr
     return jax.linear_transpose(lambda b: invariant_dot(xe, b), b_struct)(ce)[0]
 
   return jax.lax.map(expert, jnp.arange(num_experts, dtype=jnp.int32))
+
+
+def routing_sizes(tokens: int, top_k: int, e: int, skew: float, seed: int = 0) -> np.ndarray:
+  """Synthetic group sizes of ``tokens * top_k`` routed rows (tests, benchmarks): balanced (skew 0) or Zipf-like
+  (expert i's weight (i + 1) ** -skew), with E/16 empty experts when skewed."""
+  rows = tokens * top_k
+  if skew == 0:
+    sizes = np.full(e, rows // e)
+    sizes[: rows - sizes.sum()] += 1
+    return sizes.astype(np.int32)
+  w = (np.arange(e) + 1.0) ** -skew
+  w[np.random.default_rng(seed).permutation(e)[: e // 16]] = 0  # some experts get no tokens
+  sizes = np.floor(w / w.sum() * rows).astype(np.int64)
+  sizes[np.argmax(w)] += rows - sizes.sum()
+  return sizes.astype(np.int32)

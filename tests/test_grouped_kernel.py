@@ -198,28 +198,13 @@ def test_lowers_for_cuda_configs(cfg, out_dtype):
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def routing_sizes(tokens: int, top_k: int, e: int, skew: float, seed: int = 0) -> np.ndarray:
-  """Group sizes of ``tokens * top_k`` routed rows: balanced (skew 0) or Zipf-like (expert i's weight
-  (i + 1) ** -skew), with a few empty experts when skewed."""
-  rows = tokens * top_k
-  if skew == 0:
-    sizes = np.full(e, rows // e)
-    sizes[: rows - sizes.sum()] += 1
-    return sizes.astype(np.int32)
-  w = (np.arange(e) + 1.0) ** -skew
-  w[np.random.default_rng(seed).permutation(e)[: e // 16]] = 0  # some experts get no tokens
-  sizes = np.floor(w / w.sum() * rows).astype(np.int64)
-  sizes[np.argmax(w)] += rows - sizes.sum()
-  return sizes.astype(np.int32)
-
-
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("name", list(QWEN3_MOE))
 @pytest.mark.parametrize("tokens,skew", [(64, 1.2), (1024, 0.0), (1024, 1.2)])
 def test_gpu_matches_reference_and_dense_per_group(name, tokens, skew):
   n, k = QWEN3_MOE[name]
-  sizes = routing_sizes(tokens, 8, QWEN3_E, skew)
+  sizes = grouped_gemm.routing_sizes(tokens, 8, QWEN3_E, skew)
   m = int(sizes.sum())
   a_q, a_s, b_q, b_s = _operands(tokens + n, m, QWEN3_E, n, k)
   sizes_E = jnp.asarray(sizes)
@@ -241,7 +226,7 @@ def test_gpu_configs_bitwise(out_dtype):
   rows do not depend on the other groups: group 3 alone (others empty) is bitwise group 3 in the full routing."""
   n, k = QWEN3_MOE["gate_up"]
   e = 16
-  sizes = routing_sizes(256, 8, e, 1.2, seed=1)
+  sizes = grouped_gemm.routing_sizes(256, 8, e, 1.2, seed=1)
   m = int(sizes.sum())
   a_q, a_s, b_q, b_s = _operands(17, m, e, n, k)
   sizes_E = jnp.asarray(sizes)
