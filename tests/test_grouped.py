@@ -163,6 +163,40 @@ def test_errors_name_shapes(monkeypatch):
     ops.grouped_linear(x, quant.QWeight(qw.q, qw.scale[:, :2]), sizes)
   monkeypatch.setattr(ops, "resolve_backend", lambda requested: "pallas")
   for wq in (quant.FP8Weight(w), qw):
-    with pytest.raises(NotImplementedError, match=r"no grouped Pallas FP8 kernel.*fp8\.gemm_backend"):
+    with pytest.raises(NotImplementedError, match=r"opt-in only \(LinearConfig\.grouped_kernel=True\).*"
+                                                  r"fp8\.gemm_backend"):
       ops.grouped_linear(x, wq, sizes)
   assert ops.grouped_linear(x, w, sizes).shape == (8, N)  # BF16 mode runs no FP8 GEMM
+
+
+@cpu_only
+@pytest.mark.parametrize("kind", ["fp8_master", "qweight"])
+def test_grouped_kernel_opt_in_matches_reference(monkeypatch, kind):
+  """LinearConfig(grouped_kernel=True) on the "pallas" backend: forward and dgrad on the grouped Mosaic kernel (here
+  in interpret mode), bitwise the reference path. Small integers with power-of-two scales keep every sum exact, so
+  the interpreter's summation order cannot show (the GPU bits: tests/test_grouped_kernel.py)."""
+  from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415
+
+  x = rand(12, (M, K), 3.0).round().astype(jnp.bfloat16)
+  w = rand(13, (E, N, K), 3.0).round()
+  dy = rand(14, (M, N), 3.0).round().astype(jnp.bfloat16)
+  sizes = jnp.asarray(SIZES, jnp.int32)
+  xla, opt_in = ops.LinearConfig(pow2_scales=True, backend="xla"), ops.LinearConfig(pow2_scales=True,
+                                                                                     grouped_kernel=True)
+  wq = WRAP[kind](w)
+  run = lambda cfg: (lambda y, vjp: (y, vjp(dy)[0]))(*jax.vjp(lambda x: ops.grouped_linear(x, wq, sizes, cfg), x))
+  y_ref, dx_ref = run(xla)
+  calls = []
+
+  def kernel(*args, **kw):
+    calls.append(args[0].shape)
+    return fp8_gemm_mgpu.grouped_fp8_gemm(*args, interpret=True, **kw)
+
+  monkeypatch.setattr(ops, "resolve_backend", lambda requested: "pallas")
+  monkeypatch.setattr(ops, "_pallas_grouped_gemm", lambda: kernel)
+  monkeypatch.setattr(ops, "_pallas_quant", lambda: quant)  # the quantizer itself (the kernels' bits)
+  y, dx = run(opt_in)
+  assert calls == [(M, K), (M, N)]  # forward, dgrad
+  assert np.any(bits(y)) and np.any(bits(dx))
+  np.testing.assert_array_equal(bits(y), bits(y_ref))
+  np.testing.assert_array_equal(bits(dx), bits(dx_ref))
