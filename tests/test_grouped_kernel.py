@@ -213,7 +213,10 @@ def test_gpu_matches_reference_and_dense_per_group(name, tokens, skew):
   assert _rel_err(out32, ref) <= 1e-3
   out16 = np.asarray(mgpu.grouped_fp8_gemm(a_q, a_s, b_q, b_s, sizes_E, out_dtype=jnp.bfloat16))
   assert _rel_err(out16, ref) <= 5e-3 and np.isfinite(out16.astype(np.float32)).all()
-  for g, rows in _groups(sizes):  # the invariance contract: each group bitwise the dense kernel on its rows
+  groups = _groups(sizes)
+  picked = {0, len(groups) // 2, len(groups) - 1, int(np.argmax([r.stop - r.start for _, r in groups])),
+            int(np.argmin([r.stop - r.start for _, r in groups]))}  # (each distinct M compiles the dense kernel)
+  for g, rows in (groups[i] for i in sorted(picked)):  # the invariance contract: bitwise the dense kernel's rows
     dense = mgpu.fp8_gemm(a_q[rows], a_s[rows], b_q[g], b_s[g], out_dtype=jnp.bfloat16)
     np.testing.assert_array_equal(out16[rows], np.asarray(dense), err_msg=f"group {g} ({sizes[g]} rows)")
 
