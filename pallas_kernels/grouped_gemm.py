@@ -6,8 +6,8 @@ give zeros. Sizes are clipped to the M rows there are (a group reaching past row
 
 Layout (also the Hopper kernel's, ``fp8_gemm_mgpu.grouped_fp8_gemm``): ``layout`` places each group's rows in a
 buffer of the static size ``padded_rows(M, E) = round_up(M, 128) + E * 128`` where every group starts at a multiple
-of 128 rows (zero rows between groups), and gives each 128-row tile its expert id (E for the unused tiles at the end). Each tile is then an
-ordinary dense block GEMM against one expert, computed by ``fp8_gemm.fp8_gemm_reference`` itself (or
+of 128 rows (zero rows between groups), and gives each 128-row tile its expert id (E for the unused tiles at the
+end). Each tile is then an ordinary dense block GEMM against one expert, computed by ``fp8_gemm.fp8_gemm_reference`` itself (or
 ``invariant_dot`` for BF16 operands), so every row is bitwise the dense GEMM of its group's rows alone: rows are
 independent in the dense math (batch invariance), and the 1x128-over-tokens groups of the wgrad operands start at
 each group's first row, as in the dense wgrad of that group.
