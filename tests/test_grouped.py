@@ -200,3 +200,22 @@ def test_grouped_kernel_opt_in_matches_reference(monkeypatch, kind):
   assert np.any(bits(y)) and np.any(bits(dx))
   np.testing.assert_array_equal(bits(y), bits(y_ref))
   np.testing.assert_array_equal(bits(dx), bits(dx_ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("kind", ["fp8_master", "qweight"])
+def test_gpu_grouped_kernel_opt_in_bitwise_dense_per_group(kind):
+  """The opt-in grouped kernel on the H200: each group's y and dx bitwise the dense ``linear`` (the dense Hopper
+  kernel) on that group's rows alone, at a Qwen3-30B-A3B expert shape (gate/up: N 768, K 2048)."""
+  sizes = (130, 0, 1, 300, 64, 0, 257, 100)
+  m, e, n, k = sum(sizes) + 20, len(sizes), 768, 2048
+  x, w, dy = rand(15, (m, k), 1.0, jnp.bfloat16), rand(16, (e, n, k), 0.02), rand(17, (m, n), 1.0, jnp.bfloat16)
+  cfg = ops.LinearConfig(backend="pallas", grouped_kernel=True)
+  (y, dx, _), dense = grouped_and_dense(kind, sizes, x, w, dy, cfg)
+  for g, d in enumerate(dense):
+    if d is not None:
+      rows, ye, dxe, _ = d
+      np.testing.assert_array_equal(bits(y[rows]), bits(ye), err_msg=f"forward, group {g}")
+      np.testing.assert_array_equal(bits(dx[rows]), bits(dxe), err_msg=f"dgrad, group {g}")
+  assert not np.any(bits(y[sum(sizes):])) and not np.any(bits(dx[sum(sizes):]))
