@@ -593,6 +593,8 @@ def grouped_fp8_gemm(a_q_MxK, a_s_MxKb, b_q_ExNxK, b_s_ExNbxKb, group_sizes_E, *
   Rows move to the tile buffer and back as in the reference (``grouped_gemm.tile_operands`` / ``from_tiles``);
   rows at or beyond sum(group_sizes_E) give zeros. Each group's rows are bitwise ``fp8_gemm`` of those rows with
   B = that expert's weight (``grouped_fp8_gemm_tiles``' invariance contract)."""
+  if a_q_MxK.shape[0] == 0:  # no rows: an empty tile buffer, nothing to launch
+    return jnp.zeros((0, b_q_ExNxK.shape[1]), out_dtype)
   a_q, a_s, dest, tile_expert = grouped_gemm.tile_operands(a_q_MxK, a_s_MxKb, group_sizes_E, b_q_ExNxK.shape[0])
   out = grouped_fp8_gemm_tiles(a_q, a_s, b_q_ExNxK, b_s_ExNbxKb, tile_expert, out_dtype=out_dtype, config=config,
                                interpret=interpret, num_sms=num_sms)

@@ -5,10 +5,11 @@ Rows are sorted by group: with ``off = exclusive_cumsum(group_sizes_E)`` (int32,
 give zeros. Sizes are clipped to the M rows there are (a group reaching past row M keeps only the rows before M).
 
 Layout (also the Hopper kernel's, ``fp8_gemm_mgpu.grouped_fp8_gemm``): ``layout`` places each group's rows in a
-buffer of the static size ``padded_rows(M, E) = round_up(M, 128) + E * 128`` where every group starts at a multiple
-of 128 rows (zero rows between groups), and gives each 128-row tile its expert id (E for the unused tiles at the
-end). Each tile is then an ordinary dense block GEMM against one expert, computed by ``fp8_gemm.fp8_gemm_reference`` itself (or
-``invariant_dot`` for BF16 operands), so every row is bitwise the dense GEMM of its group's rows alone: rows are
+buffer of the static size ``padded_rows(M, E) = round_up(M, 128) + min(E, M) * 128`` (at most min(E, M) groups are
+non-empty, each padded by < 128 rows) where every group starts at a multiple of 128 rows (zero rows between groups),
+and gives each 128-row tile its expert id (E for the unused tiles at the end). Each tile is then an ordinary dense
+block GEMM against one expert, computed by ``fp8_gemm.fp8_gemm_reference`` itself (or ``invariant_dot`` for BF16
+operands), so every row is bitwise the dense GEMM of its group's rows alone: rows are
 independent in the dense math (batch invariance), and the 1x128-over-tokens groups of the wgrad operands start at
 each group's first row, as in the dense wgrad of that group.
 
@@ -28,8 +29,9 @@ from pallas_kernels.fp8_gemm import BLOCK, fp8_gemm_reference, invariant_dot
 
 
 def padded_rows(m: int, num_groups: int) -> int:
-  """Static row count of the tile buffer: enough for every group padded to a multiple of 128."""
-  return -(-m // BLOCK) * BLOCK + num_groups * BLOCK
+  """Static row count of the tile buffer: enough for every non-empty group (at most min(E, M)) padded to a multiple
+  of 128 (so decode-sized M does not pay for E tiles)."""
+  return -(-m // BLOCK) * BLOCK + min(num_groups, m) * BLOCK
 
 
 def layout(group_sizes_E: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:

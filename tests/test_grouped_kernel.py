@@ -151,6 +151,15 @@ def test_errors_name_shapes():
     mgpu.grouped_fp8_gemm(a_q, a_s, b_q[:, :200], b_s, sizes)
 
 
+def test_tile_buffer_size_and_no_rows():
+  """Decode-sized M pays for min(E, M) padding tiles, not E; no rows launch nothing."""
+  assert grouped_gemm.padded_rows(1, QWEN3_E) == 256 and grouped_gemm.padded_rows(64, QWEN3_E) == 128 + 64 * 128
+  assert grouped_gemm.padded_rows(65536, QWEN3_E) == 65536 + 128 * 128
+  a_q, a_s, b_q, b_s = _operands(0, 0, 2, 256, 256)
+  out = mgpu.grouped_fp8_gemm(a_q, a_s, b_q, b_s, jnp.zeros((2,), jnp.int32))
+  assert out.shape == (0, 256) and out.dtype == jnp.bfloat16
+
+
 def test_default_config_skips_unused_tiles_and_fits_tiles():
   for m in (256, 8192, 65536):
     for n, k in QWEN3_MOE.values():
