@@ -131,10 +131,9 @@ def _mix32(x_u32):
 def uniforms(seed, request_B, position_B, vocab: int):
   """(B, vocab) uniforms in (0, 1), a pure function of (seed, request, position, vocab index).
 
-  Why a hash and not jax.random: threefry2x32 spends 20 rounds of add/rotate/xor plus key injections (~60 integer
-  ops) per 32-bit word, i.e. per logit, and the per-row keys (two fold_in) are more threefry calls; here a logit
-  costs two fmix32 plus an add, an xor and the float conversion (~20 ops), and a row's keys are 2 x 3 fmix32 of
-  the (seed, request, position) counter. The Gumbel transform (two logs) is the same as jax.random.gumbel's. Quality: a row has two independent 32-bit keys
+  Why a hash and not jax.random: threefry2x32 spends 20 rounds plus key injections (~60 integer ops) per 32-bit word,
+  and per-row keys (fold_in) are another threefry call each; here a logit costs two fmix32 (~12 ops), and a row's
+  key is 2 x 3 fmix32 of the (seed, request, position) counter. Quality: a row has two independent 32-bit keys
   (k1, k2: a stream repeats only if both collide, ~2^-64 per pair of rows); within a row, k1 + v * odd is a Weyl
   sequence (distinct for every v), mixed, xor-ed with k2 and mixed again, so the 32-bit words of a row are all
   distinct. The top 23 bits give u = (m + 1/2) 2^-23, exact in float32 and never 0 or 1 (finite Gumbel noise).
