@@ -11,9 +11,8 @@ How a batch of requests (prompts x n samples) is generated:
      (``fp8jax.model.head``: the same chunked GEMMs and row statistics) and reports z[token] - logsumexp for the
      sampled token. The reported log-prob is that of the temperature-scaled distribution, without top-p/top-k
      renormalization, so sampler-vs-trainer mismatch measures numerics only.
-Randomness is per request: token i of request r is drawn by Gumbel-max with uniforms from a counter-based hash of
-(seed, r, i, vocab index) (``uniforms``), so a request's completion does not depend on which slot, step or batch it
-ran in, and the draw costs a few integer ops per logit instead of threefry's.
+Randomness is per request: the key of generated token i of request r is fold_in(fold_in(key(seed), r), i), so a
+request's completion does not depend on which slot or batch it ran in.
 """
 
 from __future__ import annotations
@@ -118,43 +117,11 @@ def filter_logits(logits_BxV, temperature, top_k: int, top_p: float):
   return l
 
 
-def _mix32(x_u32):
-  """MurmurHash3's 32-bit finalizer (fmix32, A. Appleby): a bijection of uint32 in which every input bit flips
-  each output bit with probability ~1/2."""
-  x = x_u32 ^ (x_u32 >> 16)
-  x = x * jnp.uint32(0x85EBCA6B)
-  x = x ^ (x >> 13)
-  x = x * jnp.uint32(0xC2B2AE35)
-  return x ^ (x >> 16)
-
-
-def uniforms(seed, request_B, position_B, vocab: int):
-  """(B, vocab) uniforms in (0, 1), a pure function of (seed, request, position, vocab index).
-
-  Why a hash and not jax.random: threefry2x32 spends 20 rounds plus key injections (~60 integer ops) per 32-bit word,
-  and per-row keys (fold_in) are another threefry call each; here a logit costs two fmix32 (~12 ops), and a row's
-  key is 2 x 3 fmix32 of the (seed, request, position) counter. Quality: a row has two independent 32-bit keys
-  (k1, k2: a stream repeats only if both collide, ~2^-64 per pair of rows); within a row, k1 + v * odd is a Weyl
-  sequence (distinct for every v), mixed, xor-ed with k2 and mixed again, so the 32-bit words of a row are all
-  distinct. The top 23 bits give u = (m + 1/2) 2^-23, exact in float32 and never 0 or 1 (finite Gumbel noise).
-  """
-  s = jnp.asarray(seed, jnp.uint32)
-  r, i = request_B.astype(jnp.uint32), position_B.astype(jnp.uint32)
-  k1 = _mix32(_mix32(_mix32(s ^ jnp.uint32(0x243F6A88)) + r) + i)  # constants: hex digits of pi (any would do)
-  k2 = _mix32(_mix32(_mix32(s ^ jnp.uint32(0x85A308D3)) ^ i) + r * jnp.uint32(0x9E3779B9))
-  v = jnp.arange(vocab, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)  # golden-ratio Weyl increments
-  x = _mix32(_mix32(k1[:, None] + v[None, :]) ^ k2[:, None])
-  return ((x >> 9).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-23)
-
-
-def sample_tokens(logits_BxV, sp: SamplingParams, seed, request_B, position_B):
-  """Token per row: argmax (greedy), or Gumbel-max over the filtered logits with the hash uniforms of (seed,
-  request, position): argmax(l - log(-log u)) is a draw from softmax(l) (Gumbel 1954; as jax.random.categorical)."""
+def sample_tokens(keys, logits_BxV, sp: SamplingParams):
   if sp.greedy:
     return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
   l = filter_logits(logits_BxV, sp.temperature, sp.top_k, sp.top_p)
-  g = -jnp.log(-jnp.log(uniforms(seed, request_B, position_B, l.shape[-1])))
-  return jnp.argmax(l + g, axis=-1).astype(jnp.int32)
+  return jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, l).astype(jnp.int32)
 
 
 @jax.tree_util.register_dataclass
@@ -224,7 +191,7 @@ class Sampler:
         slot_gen=jnp.where(take, 0, state.slot_gen))
 
   @functools.partial(fp8jax.jit, static_argnums=(0, 3, 4), donate_argnums=(2,))
-  def _decode(self, params, state: _State, sp: SamplingParams, steps: int, seed):
+  def _decode(self, params, state: _State, sp: SamplingParams, steps: int, base_key):
     c, max_new = self.cfg, sp.max_new_tokens
     stop_ids = jnp.asarray(sp.stop_token_ids or (-1,), jnp.int32)
     max_len = self.scfg.max_len  # the cache may hold more (whole attention blocks); sequences stop here
@@ -235,7 +202,9 @@ class Sampler:
                                        positions_BxT=st.slot_pos[:, None], cache=st.cache)
       lp_temp = sp.temperature if not sp.greedy else 1.0
       lg, lse = head.logits_and_lse(head.head_weight(params, c.tie_embeddings), hidden[:, 0], self.lcfg, lp_temp)
-      tok = sample_tokens(lg, sp, seed, jnp.maximum(st.slot_req, 0), st.slot_gen)
+      keys = jax.vmap(lambda r, g: jax.random.fold_in(jax.random.fold_in(base_key, r), g))(
+          jnp.maximum(st.slot_req, 0), st.slot_gen)
+      tok = sample_tokens(keys, lg, sp)
       lp = head.token_logprob(lg, lse, tok, lp_temp)
       req = jnp.where(active, st.slot_req, st.out_tok.shape[0])  # inactive slots write out of range -> dropped
       out_tok = st.out_tok.at[req, st.slot_gen].set(tok, mode="drop")
@@ -328,8 +297,8 @@ class Sampler:
     prompt_of_req = jnp.asarray(np.repeat(np.arange(n_prompts), n), jnp.int32)
     last_tok = toks[jnp.arange(n_prompts), jnp.asarray(lens) - 1]
     lens_j = jnp.asarray(lens)
-    seed = jnp.uint32(sp.seed % 2**32)
-    static_sp = dataclasses.replace(sp, seed=0)  # the seed is traced: no recompile per seed
+    base_key = jax.random.key(sp.seed)
+    static_sp = dataclasses.replace(sp, seed=0)  # the seed is traced (base_key): no recompile per seed
     next_req, steps, free = 0, 0, np.ones(s.slots, bool)
     while True:
       if next_req < r and free.any():
@@ -338,7 +307,7 @@ class Sampler:
         new[idx] = np.arange(next_req, next_req + len(idx))
         next_req += len(idx)
         state = self._refill(state, prompt_cache, jnp.asarray(new), prompt_of_req, lens_j, last_tok)
-      state = self._decode(params, state, static_sp, s.decode_chunk, seed)
+      state = self._decode(params, state, static_sp, s.decode_chunk, base_key)
       steps += s.decode_chunk
       free = np.asarray(state.slot_req) < 0  # one host sync per chunk
       if next_req >= r and free.all():

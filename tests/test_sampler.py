@@ -160,11 +160,9 @@ TOY_LOGITS = jnp.log(jnp.asarray(TOY_P, jnp.float32))[jnp.asarray([3, 0, 5, 1, 4
 
 
 def _frequencies(sp: smp.SamplingParams, logits_V=TOY_LOGITS, draws=DRAWS):
-  # the draws come from 400 requests x 100 positions: a request's stream and a position's both enter the counts
-  req, pos = np.divmod(np.arange(draws, dtype=np.int32), 100)
+  keys = jax.random.split(jax.random.key(1234), draws)
   # logits are an argument, not a closed-over constant: XLA would constant-fold the (draws x V) argmax for seconds
-  fn = fp8jax.jit(lambda l, r, i: smp.sample_tokens(jnp.broadcast_to(l, (draws, l.shape[0])), sp, 1234, r, i))
-  toks = fn(logits_V, jnp.asarray(req), jnp.asarray(pos))
+  toks = fp8jax.jit(lambda k, l: smp.sample_tokens(k, jnp.broadcast_to(l, (draws, l.shape[0])), sp))(keys, logits_V)
   return np.bincount(np.asarray(toks), minlength=logits_V.shape[0]) / draws
 
 
@@ -231,83 +229,6 @@ def test_temperature_then_top_k_then_top_p():
   np.testing.assert_array_equal(np.isfinite(l), keep > 0)
   _assert_close_to(_frequencies(smp.SamplingParams(temperature=2.0, top_k=4, top_p=0.7)),
                    _expected(TOY_LOGITS, 2.0, keep))
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# The hash RNG (uniforms of (seed, request, position, vocab index))
-# ------------------------------------------------------------------------------------------------------------------
-
-GRID = 64  # requests x positions of the RNG tests; 1024 vocab entries each: 2^22 uniforms
-
-
-@functools.cache
-def _grid_uniforms(seed: int) -> np.ndarray:
-  """(request, position, vocab) uniforms for requests and positions 0..GRID-1."""
-  req, pos = np.divmod(np.arange(GRID * GRID, dtype=np.int32), GRID)
-  u = fp8jax.jit(smp.uniforms, static_argnums=3)(seed, jnp.asarray(req), jnp.asarray(pos), 1024)
-  return np.asarray(u).reshape(GRID, GRID, 1024)
-
-
-def _chi2_bound(df: int) -> float:
-  """Mean + 6 standard deviations of chi-square(df) (df ~ 1000: nearly normal; a false alarm rate ~1e-8)."""
-  return df + 6 * np.sqrt(2 * df)
-
-
-def _chi2(counts) -> float:
-  e = counts.sum() / counts.size
-  return float(((counts - e) ** 2 / e).sum())
-
-
-def test_hash_uniforms_are_uniform():
-  """Chi-square over 1024 equal bins, Kolmogorov-Smirnov, and the balance of each of the 23 mantissa bits.
-
-  Bounds from each statistic's distribution under H0: chi-square(1023) mean + 6 sd; sqrt(n) D_n < 2.7, where
-  P(sqrt(n) D_n > x) ~ 2 exp(-2 x^2) ~ 1e-6 (Kolmogorov); a bit's frequency within 6 sd (0.5 / sqrt(n)) of 1/2.
-  """
-  u = _grid_uniforms(7).ravel().astype(np.float64)
-  n = u.size
-  assert u.min() > 0 and u.max() < 1
-  assert _chi2(np.bincount((u * 1024).astype(np.int64), minlength=1024)) < _chi2_bound(1023)
-  us = np.sort(u)
-  i = np.arange(1, n + 1)
-  d = max(np.max(i / n - us), np.max(us - (i - 1) / n))
-  assert np.sqrt(n) * d < 2.7, np.sqrt(n) * d
-  m = (u * 2**23 - 0.5).astype(np.int64)  # the 23-bit integer behind each uniform
-  assert np.all((m + 0.5) / 2**23 == u)
-  bit_freq = np.array([np.mean((m >> b) & 1) for b in range(23)])
-  assert np.all(np.abs(bit_freq - 0.5) < 6 * 0.5 / np.sqrt(n)), bit_freq
-
-
-def test_hash_streams_are_independent():
-  """Every (seed, request, position) has its own stream, neighbouring streams and vocab entries are uncorrelated,
-  and a row's uniforms do not depend on the other rows of the batch.
-
-  Pearson r of n independent pairs is ~N(0, 1/n): |r| < 6 / sqrt(n). Serial test: the pairs (u[v], u[v+1]) and
-  (u at position i, at i+1) over a 32 x 32 grid of cells, chi-square(1023).
-  """
-  u7, u8 = _grid_uniforms(7), _grid_uniforms(8)
-  rows = np.concatenate([u7.reshape(-1, 1024), u8.reshape(-1, 1024)])
-  assert len(np.unique(rows, axis=0)) == rows.shape[0], "two (seed, request, position) share a stream"
-
-  def corr(a, b):
-    a, b = a.ravel().astype(np.float64) - 0.5, b.ravel().astype(np.float64) - 0.5
-    r = np.dot(a, b) / np.sqrt(np.dot(a, a) * np.dot(b, b))
-    assert abs(r) < 6 / np.sqrt(a.size), r
-
-  corr(u7[:, :-1], u7[:, 1:])  # next position
-  corr(u7[:-1], u7[1:])  # next request
-  corr(u7[..., :-1], u7[..., 1:])  # next vocab entry
-  corr(u7, u8)  # next seed
-  off_diag = ~np.eye(GRID, dtype=bool)  # (r, i) and (i, r), r != i
-  corr(u7[off_diag], np.swapaxes(u7, 0, 1)[off_diag])
-  for a, b in ((u7[..., :-1], u7[..., 1:]), (u7[:, :-1], u7[:, 1:])):
-    cells = (a * 32).astype(np.int64) * 32 + (b * 32).astype(np.int64)
-    assert _chi2(np.bincount(cells.ravel(), minlength=1024)) < _chi2_bound(1023)
-  # batch independence: a permuted batch gives the permuted rows, bitwise
-  perm = np.random.default_rng(0).permutation(GRID)
-  req, pos = perm.astype(np.int32), np.full(GRID, 5, np.int32)
-  got = np.asarray(fp8jax.jit(smp.uniforms, static_argnums=3)(7, jnp.asarray(req), jnp.asarray(pos), 1024))
-  np.testing.assert_array_equal(got, u7[perm, 5])
 
 
 # ------------------------------------------------------------------------------------------------------------------
