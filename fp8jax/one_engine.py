@@ -38,6 +38,18 @@ def model_config(dim: int, layers: int, vocab: int) -> ModelConfig:
                      head_dim=hd, ffn_dim=int(dim * 3.5) // 128 * 128, max_seq_len=4096)
 
 
+def add_model_args(ap):
+  """The checks' shared command-line flags (scripts/check_one_engine.py, scripts/check_layer_divergence.py): the
+  random model's shape, the head's recipe, the JSON output; ``model_config(a.dim, a.layers, a.vocab)`` builds it."""
+  ap.add_argument("--dim", type=int, default=256)
+  ap.add_argument("--layers", type=int, default=2)
+  ap.add_argument("--vocab", type=int, default=512)
+  ap.add_argument("--quantize_lm_head", action="store_true",
+                  help="FP8 recipes put the output head on the (batch-invariant) FP8 GEMM too")
+  ap.add_argument("--out", default="")
+  return ap
+
+
 def recipes(quantize_lm_head: bool = False) -> dict[str, quant.Recipe]:
   """The three recipes the one-engine promise covers: BF16, FP8, FP8 + FP8 KV cache."""
   return {"bf16": quant.Recipe(mode="bf16"), "fp8": quant.Recipe(quantize_lm_head=quantize_lm_head),

@@ -25,15 +25,10 @@ from fp8jax import one_engine, ops  # noqa: E402
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--dim", type=int, default=256)
-  ap.add_argument("--layers", type=int, default=2)
-  ap.add_argument("--vocab", type=int, default=512)
+  ap = one_engine.add_model_args(argparse.ArgumentParser())
   ap.add_argument("--rows", type=int, default=8)
   ap.add_argument("--len", type=int, default=48)
   ap.add_argument("--recipes", default="fp8,fp8+kv,bf16")
-  ap.add_argument("--quantize_lm_head", action="store_true")
-  ap.add_argument("--out", default="")
   a = ap.parse_args()
   cfg = one_engine.model_config(a.dim, a.layers, a.vocab)
   recipes = one_engine.recipes(a.quantize_lm_head)

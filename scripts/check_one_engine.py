@@ -26,17 +26,11 @@ from fp8jax import one_engine, ops  # noqa: E402
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--dim", type=int, default=256)
-  ap.add_argument("--layers", type=int, default=2)
-  ap.add_argument("--vocab", type=int, default=512)
+  ap = one_engine.add_model_args(argparse.ArgumentParser())
   ap.add_argument("--slots", type=int, default=16)
   ap.add_argument("--prompts", type=int, default=8)
   ap.add_argument("--samples", type=int, default=2)
   ap.add_argument("--max_new", type=int, default=32)
-  ap.add_argument("--quantize_lm_head", action="store_true",
-                  help="FP8 recipes put the output head on the (batch-invariant) FP8 GEMM too")
-  ap.add_argument("--out", default="")
   a = ap.parse_args()
   cfg = one_engine.model_config(a.dim, a.layers, a.vocab)
   rng = np.random.default_rng(0)
