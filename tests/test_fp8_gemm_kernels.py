@@ -459,9 +459,6 @@ def test_gpu_bf16_batch_invariance_bitwise(name):
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.xfail(run=False, reason=(
-    "did not finish within 170 s on the H200 (2026-12-01): suspected hang of the BF16 kernel at the qkv shape, "
-    "M = 512, on configs without the cross-tile pipeline whose CTAs run several tiles; docs/benchmarks.md, 'Open bug'"))
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_bf16_configs_bitwise(out_dtype):
   """Every shipped config, and the other schedules, gives the same bits (16 SMs: cross_tile CTAs get >= 2 tiles)."""
