@@ -230,13 +230,14 @@ class Sampler:
     fp8 = s.kv_cache == "fp8"
     need = (kvc.cache_bytes(c.n_layers, s.slots, s.max_len, c.n_kv_heads, c.head_dim, fp8)
             + kvc.cache_bytes(c.n_layers, n_prompts, bucket, c.n_kv_heads, c.head_dim, fp8))
-    stats = jax.devices()[0].memory_stats() or {}
+    dev = jax.local_devices()[0]  # this process's own (memory_stats of another host's device cannot be read)
+    stats = dev.memory_stats() or {}
     if "bytes_limit" in stats:
       free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
       if need > s.memory_fraction * free:
         raise ValueError(
             f"KV caches need {need / 2**30:.2f} GiB (rollout.slots={s.slots} x rollout.max_len={s.max_len} "
-            f"+ {n_prompts} prompts x {bucket}) but only {free / 2**30:.2f} GiB is free on {jax.devices()[0]}; "
+            f"+ {n_prompts} prompts x {bucket}) but only {free / 2**30:.2f} GiB is free on {dev}; "
             f"lower rollout.slots or rollout.max_len, or use rollout.kv_cache='fp8'")
     return need
 

@@ -140,6 +140,10 @@ LINEAR_NAMES: tuple[str, ...] = tuple(p.key for p in LAYER if p.linear)
 SHARDING_RULES: dict[str, tuple[str | None, ...]] = {p.key: p.axes for p in BY_KEY.values() if p.axes}
 HF_LAYER_MODULES: dict[str, str] = {p.key: p.hf for p in LAYER}
 HF_TOP_MODULES: dict[str, str] = {p.key: p.hf for p in TOP}
+# Tensor-parallel style of each 2-D layer linear (``ops.linear(..., parallel=)``), from its axes: output features over
+# tensor -> "column", input features over tensor -> "row".
+PARALLEL: dict[str, str] = {p.key: {COLUMN: "column", ROW: "row"}[p.axes] for p in LAYER
+                            if p.linear and p.axes in (COLUMN, ROW)}
 
 
 def layer_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
