@@ -37,7 +37,7 @@ import numpy as np
 import optax
 
 import fp8jax
-from fp8jax import kvcache, ops, quant, sampler as sampler_lib, sharding
+from fp8jax import distributed, kvcache, ops, quant, sampler as sampler_lib, sharding
 from fp8jax.checkpoint import Checkpointer, WorkdirLock
 from fp8jax.config_utils import dataclass_from_group
 from fp8jax.metrics import MetricsWriter, plot
@@ -678,6 +678,8 @@ class RLTrainer:
     steps = self.total_steps if steps is None else int(steps)
     if steps < 0:
       raise ValueError(f"steps={steps} (--steps / train.steps) must be >= 0")
+    if not distributed.is_primary():  # process 0 holds the lock for the whole multi-process run
+      return self._run(steps, False)
     with WorkdirLock(self.workdir):
       return self._run(steps, progress)
 
@@ -690,7 +692,8 @@ class RLTrainer:
     # keep_through: rows of steps after the restored checkpoint were written by the interrupted run (rows <= start
     # are kept); a run from step 0 rewrites every row.
     writer = MetricsWriter(self.workdir, max(steps - start, 0) + (start == 0), progress=progress,
-                           keep_through=start if start else -1)  # + warm-start row
+                           keep_through=start if start else -1,  # + warm-start row
+                           enabled=distributed.is_primary())
     history = []
     try:
       if start == 0:
@@ -710,7 +713,8 @@ class RLTrainer:
         history.append(writer.write(step + 1, m))
     finally:
       writer.close()
-    plot(self.workdir)
+    if distributed.is_primary():
+      plot(self.workdir)
     return history
 
 
