@@ -91,7 +91,8 @@ def arm_config(base, arm: str, seed: int, steps: int, val_every: int, workdir: s
 def _warm_key(c) -> dict:
   """What the warm start depends on: a stored one is reused only when all of it matches."""
   return json.loads(json.dumps({"seed": int(c.seed), "model": c.model.to_dict(), "warmstart": c.warmstart.to_dict(),
-                                "task": c.task, "arithmetic": c.arithmetic.to_dict(), "data": c.data.to_dict()}))
+                                "task": c.task, "arithmetic": c.arithmetic.to_dict(), "data": c.data.to_dict(),
+                                "seq_len": int(c.rollout.max_len)}))
 
 
 def warm_start(base, directory: str) -> tuple[dict, dict]:
