@@ -8,7 +8,8 @@ import jax.numpy as jnp
 from fp8jax import ops
 
 
-def mlp(p, x, lcfg):
-  gate = ops.linear(x, p["w_gate"], lcfg)
-  up = ops.linear(x, p["w_up"], lcfg)
-  return ops.linear(jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up, p["w_down"], lcfg)
+def mlp(p, x, lcfg, prefix: str = "w_"):
+  """``prefix``: "w_" (w_gate, w_up, w_down: a dense layer) or "shared_" (DeepSeek-V3's shared experts)."""
+  gate = ops.linear(x, p[prefix + "gate"], lcfg)
+  up = ops.linear(x, p[prefix + "up"], lcfg)
+  return ops.linear(jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up, p[prefix + "down"], lcfg)
