@@ -141,7 +141,8 @@ def _block_divergence(cfg, recipe, rows, length, seed):
   train_cap = dict(zip(train_labels, train_cap), **{"head log-prob": train_lp})
 
   samp_params = sampler.prepare_params(master, recipe)
-  cache = kvc.init_cache(cfg.n_layers, rows, kvc.padded_len(length), cfg.n_kv_heads, cfg.head_dim,
+  heads, head_dim, values = cfg.kv_cache_layout
+  cache = kvc.init_cache(cfg.n_layers, rows, kvc.padded_len(length), heads, head_dim, values=values,
                          fp8=recipe.kv_cache == "fp8", k_scale_L=None if kv_scales is None else kv_scales[0],
                          v_scale_L=None if kv_scales is None else kv_scales[1])
   prompt = length // 2
