@@ -320,3 +320,62 @@ def test_model_config_errors_name_the_key():
     ModelConfig(**base, n_experts=8, n_experts_per_tok=2, moe_ffn_dim=64, moe_router="topk")
   assert mla.softmax_scale(ModelConfig(**base)) == pytest.approx(96 ** -0.5)
 
+
+# ------------------------------------------------------------------------------------------------------------------
+# The Moonlight recipes
+# ------------------------------------------------------------------------------------------------------------------
+
+# moonshotai/Moonlight-16B-A3B's config.json (the keys fp8jax reads, as the Hub has them; transformers 4.x names)
+MOONLIGHT_HUB = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 163840,
+    "hidden_size": 2048, "intermediate_size": 11264, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+    "routed_scaling_factor": 2.446, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 6, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-05,
+    "rope_theta": 50000.0, "rope_scaling": None, "tie_word_embeddings": False, "attention_bias": False,
+    "num_nextn_predict_layers": 0}
+
+
+def _moonlight_count(c: dict) -> int:
+  """Parameters of a DeepseekV3 config by hand (no q LoRA), the router bias included."""
+  d, h, r = c["hidden_size"], c["num_attention_heads"], c["kv_lora_rank"]
+  qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+  attn = (h * qk * d + (r + c["qk_rope_head_dim"]) * d + r + h * (c["qk_nope_head_dim"] + c["v_head_dim"]) * r
+          + d * h * c["v_head_dim"] + 2 * d)  # q, kv_a, kv_a_norm, kv_b, o, the two layer norms
+  e, f = c["n_routed_experts"], c["moe_intermediate_size"]
+  moe_mlp = e * d + e + 3 * e * f * d + 3 * c["n_shared_experts"] * f * d  # router, bias, experts, shared
+  k = c["first_k_dense_replace"]
+  n_l = c["num_hidden_layers"]
+  return 2 * c["vocab_size"] * d + d + n_l * attn + k * 3 * d * c["intermediate_size"] + (n_l - k) * moe_mlp
+
+
+def test_moonlight_recipes_are_the_real_model(tmp_path):
+  """Both recipes' model is Moonlight-16B-A3B's Hub config.json (read by hf.load_config), with the parameter count
+  of the HF config arithmetic (15,960,110,208) and of transformers' DeepseekV3ForCausalLM built from the config
+  fp8jax exports (meta device; its router bias is a buffer); NeMo RL's GRPO settings; MLA projections kept BF16."""
+  import dataclasses  # noqa: PLC0415
+
+  from configs import moonlight16b_bf16, moonlight16b_fp8  # noqa: PLC0415
+
+  c8, cb = moonlight16b_fp8.get_config(), moonlight16b_bf16.get_config()
+  assert (c8.fp8.mode, c8.fp8.gemm_backend, cb.fp8.mode, cb.fp8.kv_cache) == ("fp8", "xla", "bf16", "bf16")
+  assert c8.model == cb.model and c8.grpo == cb.grpo
+  assert (c8.grpo.num_prompts, c8.grpo.num_generations, c8.grpo.kl_beta, c8.optim.lr) == (32, 16, 0.04, 1e-6)
+  cfg = ModelConfig.from_config(c8.model)
+  os.makedirs(tmp_path / "hub")
+  json.dump(MOONLIGHT_HUB, open(tmp_path / "hub" / "config.json", "w"))
+  assert dataclasses.replace(cfg, remat=False) == hf.load_config(str(tmp_path / "hub"), max_seq_len=cfg.max_seq_len)
+  assert schema.num_params(cfg) == _moonlight_count(MOONLIGHT_HUB) == 15_960_110_208
+  os.makedirs(tmp_path / "ours")
+  json.dump(hf.hf_config_dict(cfg), open(tmp_path / "ours" / "config.json", "w"))
+  with torch.device("meta"):
+    m = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path / "ours"))
+  biases = sum(b.numel() for n, b in m.named_buffers() if n.endswith("e_score_correction_bias"))
+  assert sum(p.numel() for p in m.parameters()) + biases == schema.num_params(cfg)
+  recipe = quant.Recipe.from_config(c8.fp8)
+  sel = {k: recipe.selects(f"layers/3/{k}", 3, cfg.n_layers) for k in ("wq", "wkv_a", "wo", "expert_gate",
+                                                                        "shared_up")}
+  assert sel == {"wq": False, "wkv_a": False, "wo": True, "expert_gate": True, "shared_up": True}
+  assert cfg.kv_cache_layout == (1, 576, False)  # 512 + 64 per token and layer; the expanded K, V: 16 x (192 + 128) = 5120
