@@ -86,19 +86,27 @@ def _flash_train_bwd(cfg, res, do):
 _flash_train.defvjp(_flash_train_fwd, _flash_train_bwd)
 
 
-def _per_device(fn, mesh, b: int, n_batched: int, n_replicated: int = 2):
-  """``fn`` per device on its sequences under ``shard_map`` (batch axes of ``mesh``), else ``fn`` as is.
+def _per_device(fn, mesh, q, k, n_batched: int, n_replicated: int = 2):
+  """``fn`` per device under ``shard_map`` (``sharding.per_device``), else ``fn`` as is.
 
   Pallas kernels are opaque to XLA's SPMD partitioner: inside a sharded jit their operands would be gathered and
-  every device would compute every sequence. Attention rows of different sequences are independent, so running
-  each device's sequences locally is the same computation (bitwise, the kernels being batch invariant).
+  every device would compute every sequence and head. Attention rows of different sequences, and different KV-head
+  groups, are independent, so each device attends its own sequences (batch axes of ``mesh``) and, on a "tensor"
+  axis that divides both the query and the KV heads, its own heads (the tensor-parallel layout of wq/wk/wv, whose
+  contiguous head blocks keep each query head with its KV head): the same computation, bitwise, the kernels being
+  batch invariant. The first ``n_batched`` operands are (B, T, H, D) activations / caches (positions (B, T)), the
+  next ``n_replicated`` replicated scalars.
   """
-  axes = sharding.split_batch_axes(mesh, b)
-  if axes is None:
+  axes = sharding.split_batch_axes(mesh, q.shape[0])
+  tp = sharding.tensor_axis(mesh)
+  if tp is not None and (q.shape[2] % mesh.shape[tp] or k.shape[2] % mesh.shape[tp]):
+    tp = None
+  if axes is None and tp is None:
     return fn
   P = jax.sharding.PartitionSpec
-  return jax.shard_map(fn, mesh=mesh, in_specs=(P(axes),) * n_batched + (P(),) * n_replicated, out_specs=P(axes),
-                       check_vma=False)
+  heads = P(axes, None, tp, None)
+  batched = (heads, heads, heads, P(axes, None))[:n_batched]
+  return sharding.per_device(fn, mesh, batched + (P(),) * n_replicated, heads)
 
 
 def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None, v_scale=None,
@@ -108,7 +116,7 @@ def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None,
   positions_BxT=None: the training form, queries and keys are the same T positions 0..T-1 (differentiable in q, k,
   v). Otherwise the cache form (prefill T > 1, decode T = 1): query t of row b is at positions_BxT[b, t] and sees the
   cache entries 0..positions_BxT[b, t] (forward only). k/v: BF16 values or codes, or float8_e4m3fn codes (cache).
-  ``mesh``: with the pallas backend on a multi-device mesh, each device attends its own sequences.
+  ``mesh``: with the pallas backend on a multi-device mesh, each device attends its own sequences (and heads).
   ``sm_scale``: the softmax scale (a Python float; default 1/sqrt(D)): MLA's absorbed form attends over
   kv_lora_rank + qk_rope_head_dim dims but scales by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) (x YaRN's mscale^2).
   """
@@ -125,9 +133,9 @@ def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None,
   cfg = kern.TuningConfig()
   if positions_BxT is None:
     fn = lambda q, k, v, qs, s: _flash_train(q, k, v, qs, s, cfg)  # noqa: E731
-    return _per_device(fn, mesh, b, 3)(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, qk_scale, vs)
+    return _per_device(fn, mesh, q_BxTxHxD, k_BxSxKxD, 3)(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, qk_scale, vs)
   if t == 1:
     fn = lambda q, k, v, p, qs, s: kern.attention_heads(q[:, 0], k, v, p[:, 0], qs, s, config=cfg)[:, None]  # noqa
   else:
     fn = lambda q, k, v, p, qs, s: kern.attention_seq(q, k, v, p, qs, s, config=cfg)[0]  # noqa: E731
-  return _per_device(fn, mesh, b, 4)(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, qk_scale, vs)
+  return _per_device(fn, mesh, q_BxTxHxD, k_BxSxKxD, 4)(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, qk_scale, vs)

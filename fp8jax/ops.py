@@ -51,8 +51,12 @@ class LinearConfig:
   backend: str = "auto"
   out_dtype: str = "bfloat16"
   # The device mesh the caller's arrays live on (the trainer sets it). With the "pallas" backend on more than one
-  # device, the kernels then run per device on their rows (``_per_device``) instead of on gathered operands.
+  # device, the kernels then run per device on their blocks (``_placement``) instead of on gathered operands.
   mesh: jax.sharding.Mesh | None = None
+  # Tensor parallelism of this linear over the mesh's "tensor" axis: "column" (output features split: wq, wk, wv,
+  # w_gate, w_up), "row" (input features split, partial products summed: wo, w_down) or None (gathered). Set per
+  # call by ``linear(..., parallel=)`` from the parameter schema (``schema.PARALLEL``).
+  parallel: str | None = None
 
   @classmethod
   def from_recipe(cls, recipe: quant.Recipe, out_dtype: str = "bfloat16",
@@ -69,17 +73,17 @@ BACKENDS = ("auto", "xla", "pallas")
 
 
 def gpu_available() -> bool:
-  """Whether the first JAX device is a CUDA GPU (where the Pallas Triton kernels run)."""
+  """Whether this process's first JAX device is a CUDA GPU (where the Pallas Triton kernels run)."""
   try:
-    return jax.devices()[0].platform == "gpu"
+    return jax.local_devices()[0].platform == "gpu"
   except RuntimeError:
     return False
 
 
 def hopper_available() -> bool:
-  """Whether the first JAX device is an sm_90 (Hopper) GPU, where the Pallas FP8 kernels run."""
+  """Whether this process's first JAX device is an sm_90 (Hopper) GPU, where the Pallas FP8 kernels run."""
   try:
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]
   except RuntimeError:
     return False
   return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
@@ -178,41 +182,94 @@ def quantize_act_t(x_MxK, pow2: bool = False, backend: str = "auto"):
 # Per-device execution of the kernels on a mesh
 # ------------------------------------------------------------------------------------------------------------------
 
-def _per_device(cfg: LinearConfig, m: int, backend: str | None = None):
-  """``(mesh, row_axes)`` when the GEMMs of an (m, .) activation must run per device, else None.
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+  """Where one linear's GEMMs run on a mesh: rows over ``rows`` (batch axes, or None: every device has all rows),
+  features over ``tp`` ("tensor", or None) in the linear's ``parallel`` style."""
+
+  mesh: jax.sharding.Mesh
+  rows: tuple[str, ...] | None
+  tp: str | None
+  parallel: str | None
+
+
+def _placement(cfg: LinearConfig, m: int, n: int, k: int, backend: str | None = None) -> _Placement | None:
+  """How the kernels of an (m, k) x (n, k) linear run per device, or None (one device, or the "xla" backend).
 
   Pallas kernels are opaque custom calls to XLA's SPMD partitioner: inside a sharded ``jit`` their operands are
-  gathered and every device computes the whole product. So with the "pallas" backend on a multi-device mesh, the
-  forward and dgrad GEMMs run under ``shard_map`` on each device's rows (the FP8 weight is gathered, as FSDP does
-  anyway): bitwise the single-device rows, since rows are independent and the kernels are batch invariant. The
-  wgrad GEMM contracts over tokens, so each device computes its tokens' partial dW and the partials are summed
-  (``psum``) over the row axes, like any data-parallel gradient. Not used when the rows do not divide over the row
-  axes (e.g. a single decode row), or for the "xla" backend (XLA partitions its own ops). Tensor parallelism of the
-  FP8 GEMMs is not implemented: over a ``tensor`` axis the weights are gathered and the work repeated.
-  ``backend`` is the resolved backend of the caller's GEMMs (default: the FP8 GEMMs').
+  gathered and every device computes the whole product. So with the "pallas" backend on a multi-device mesh the
+  GEMMs run under ``shard_map`` (``sharding.per_device``):
+  * rows over the batch axes when they divide m (each device its tokens; the FP8 weight gathered over fsdp, as FSDP
+    does anyway): bitwise the single-device rows, since rows are independent and the kernels batch invariant;
+  * with ``cfg.parallel`` and a "tensor" axis, Megatron tensor parallelism with shards of whole 128-blocks: column
+    parallel splits N (n a multiple of 128 x tensor), row parallel splits K (k likewise), so every device's
+    activation groups (1x128) and weight tiles (128x128) are exactly the unsharded ones. Where a contraction is split
+    (row-parallel forward, column-parallel dgrad) the FP32 partial products are summed in rank order
+    (``sharding.ordered_sum``); this choice does not depend on m, so decode rows (m = slots) and training rows take
+    the same path and stay bitwise equal. A dimension that is not aligned falls back to gathered weights (logged).
+  wgrad contracts over tokens: per-device partial dW, summed (``psum``) over the row axes, like any data-parallel
+  gradient. ``backend`` is the caller's resolved backend (default: the FP8 GEMMs').
   """
   if cfg.mesh is None or cfg.mesh.size == 1 or (backend or resolve_backend(cfg.backend)) != "pallas":
     return None
-  axes = sharding.split_batch_axes(cfg.mesh, m)
-  return None if axes is None else (cfg.mesh, axes)
+  rows = sharding.split_batch_axes(cfg.mesh, m)
+  tp = sharding.tensor_axis(cfg.mesh) if cfg.parallel else None
+  if tp is not None:
+    split = {"column": n, "row": k}[cfg.parallel]
+    if split % (quant.BLOCK * cfg.mesh.shape[tp]):
+      _note_once(f"tp:{cfg.parallel}:{n}x{k}", f"fp8jax: {cfg.parallel}-parallel linear {n}x{k}: "
+                 f"{'N' if cfg.parallel == 'column' else 'K'} = {split} is not a multiple of 128 x tensor "
+                 f"({cfg.mesh.shape[tp]}); its weight is gathered over the tensor axis instead")
+      tp = None
+  if rows is None and tp is None:
+    return None
+  return _Placement(cfg.mesh, rows, tp, cfg.parallel if tp else None)
 
 
-def _rowwise(fn, cfg: LinearConfig, m: int, n_rows: int = 1, n_replicated: int = 0, sum_rows: bool = False,
-             backend: str | None = None):
-  """``fn(*rows, *replicated)`` per device on its rows (see ``_per_device``), or ``fn`` as is.
+_NOTED: set[str] = set()
 
-  The first ``n_rows`` arguments are (m, .) row-sharded, the next ``n_replicated`` are gathered. The output is
-  row-sharded like the inputs, or, with ``sum_rows`` (a contraction over the rows), summed over the row axes.
-  """
-  spec = _per_device(cfg, m, backend)
-  if spec is None:
-    return fn
-  mesh, axes = spec
+
+def _note_once(key: str, msg: str):
+  if key not in _NOTED:
+    _NOTED.add(key)
+    log.warning(msg)
+
+
+def _sharded(local, role: str, pl: _Placement | None, out_dtype):
+  """``local(out_dtype, a, b...)`` of one GEMM role run per device as ``pl`` says, or as is (``pl`` None).
+
+  Roles (operands of ``linear``'s three GEMMs; w stands for the weight's arrays, ``q`` and ``scale`` or the BF16
+  weight, all split alike):
+    "fwd"   (x (M, K), *w)  -> y (M, N)
+    "dgrad" (dy (M, N), *w) -> dx (M, K)
+    "wgrad" (dy (M, N), x (M, K)) -> dw (N, K), summed over the row axes
+  ``local`` is called with FP32 where partial products are summed over the tensor axis (the cast to ``out_dtype``
+  follows the sum), else with ``out_dtype``."""
+  if pl is None:
+    return functools.partial(local, out_dtype)
   P = jax.sharding.PartitionSpec
-  rows = P(axes, None)
-  body = (lambda *a: jax.lax.psum(fn(*a), axes)) if sum_rows else fn
-  return jax.shard_map(body, mesh=mesh, in_specs=(rows,) * n_rows + (P(),) * n_replicated,
-                       out_specs=P() if sum_rows else rows, check_vma=False)
+  R, T = pl.rows, pl.tp
+  col, row = pl.parallel == "column", pl.parallel == "row"
+  w = P(T, None) if col else P(None, T) if row else P()
+  if role == "fwd":
+    specs, out, sum_tp = (P(R, T if row else None), w), P(R, T if col else None), row
+  elif role == "dgrad":
+    specs, out, sum_tp = (P(R, T if col else None), w), P(R, T if row else None), col
+  else:
+    specs, out, sum_tp = (P(R, T if col else None), P(R, T if row else None)), w, False
+
+  def body(*a):
+    y = local(jnp.float32 if sum_tp else out_dtype, *a)
+    if role == "wgrad" and R:
+      y = jax.lax.psum(y, R)
+    if sum_tp:
+      y = sharding.ordered_sum(y, T).astype(out_dtype)
+    return y
+
+  def run(*a):
+    n_w = len(a) - 1
+    return sharding.per_device(body, pl.mesh, (specs[0],) + (specs[1],) * n_w, out)(*a)
+  return run
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -221,28 +278,31 @@ def _rowwise(fn, cfg: LinearConfig, m: int, n_rows: int = 1, n_replicated: int =
 
 
 def _forward_q(x_MxK, qw: quant.QWeight, cfg: LinearConfig):
-  def local(x, q, scale):
+  def local(out_dtype, x, q, scale):
     xq, xs = quantize_act(quant.pad_k(x), cfg.pow2_scales, cfg.backend)
-    return fp8_gemm(xq, xs, quant.pad_k(q, -1), scale, jnp.dtype(cfg.out_dtype), cfg.backend)
-  return _rowwise(local, cfg, x_MxK.shape[0], n_replicated=2)(x_MxK, qw.q, qw.scale)
+    return fp8_gemm(xq, xs, quant.pad_k(q, -1), scale, jnp.dtype(out_dtype), cfg.backend)
+  pl = _placement(cfg, x_MxK.shape[0], qw.q.shape[0], x_MxK.shape[1])
+  return _sharded(local, "fwd", pl, cfg.out_dtype)(x_MxK, qw.q, qw.scale)
 
 
 def _dgrad(dy_MxN, qw: quant.QWeight, k: int, dtype, cfg: LinearConfig):
   """dx = Q(dy)[1x128 over N] . Q(w)^T: B is w^T stored (K, N), i.e. K-major over N."""
-  def local(dy, q, scale):
+  def local(out_dtype, dy, q, scale):
     dyq, dys = quantize_act(quant.pad_k(dy), cfg.pow2_scales, cfg.backend)
     wt_KxN = quant.pad_k(quant.pad_k(q.T, -1), 0)  # transposing 128x128 tiles keeps them 128x128 tiles
-    return fp8_gemm(dyq, dys, wt_KxN, scale.T, jnp.dtype(dtype), cfg.backend)[:, :k]
-  return _rowwise(local, cfg, dy_MxN.shape[0], n_replicated=2)(dy_MxN, qw.q, qw.scale)
+    return fp8_gemm(dyq, dys, wt_KxN, scale.T, jnp.dtype(out_dtype), cfg.backend)[:, :q.shape[1]]
+  pl = _placement(cfg, dy_MxN.shape[0], dy_MxN.shape[1], k)
+  return _sharded(local, "dgrad", pl, dtype)(dy_MxN, qw.q, qw.scale)
 
 
 def _wgrad(dy_MxN, x_MxK, cfg: LinearConfig):
   """dw = Q(dy^T)[1x128 over tokens] . Q(x^T)[1x128 over tokens] -> (N, K) in FP32."""
-  def local(dy, x):
+  def local(out_dtype, dy, x):
     aq, as_ = quantize_act_t(dy, cfg.pow2_scales, cfg.backend)
     bq, bs = quantize_act_t(x, cfg.pow2_scales, cfg.backend)
-    return fp8_gemm(aq, as_, bq, bs, jnp.float32, cfg.backend)
-  return _rowwise(local, cfg, dy_MxN.shape[0], n_rows=2, sum_rows=True)(dy_MxN, x_MxK)
+    return fp8_gemm(aq, as_, bq, bs, out_dtype, cfg.backend)
+  pl = _placement(cfg, dy_MxN.shape[0], dy_MxN.shape[1], x_MxK.shape[1])
+  return _sharded(local, "wgrad", pl, jnp.float32)(dy_MxN, x_MxK)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -301,8 +361,8 @@ def _linear_bf16_kernel(x_MxK, w_NxK, cfg: LinearConfig):
 
 def _bf16_fwd(x_MxK, w_NxK, cfg):
   xb, wb = x_MxK.astype(jnp.bfloat16), w_NxK.astype(jnp.bfloat16)
-  fwd = functools.partial(_bf16_gemm, out_dtype=cfg.out_dtype)
-  y = _rowwise(fwd, cfg, xb.shape[0], n_replicated=1, backend="pallas")(xb, wb)
+  pl = _placement(cfg, *xb.shape[:1], *wb.shape, backend="pallas")
+  y = _sharded(lambda od, x, w: _bf16_gemm(x, w, od), "fwd", pl, cfg.out_dtype)(xb, wb)
   # Zero-size tags carry x's and w's dtypes (the cotangents' dtypes) at no cost.
   return y, (xb, wb, jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_NxK.dtype))
 
@@ -312,14 +372,14 @@ def _bf16_bwd(cfg, res, dy_MxN):
   FP32 cotangent and rounds them to BF16 (the cotangents of the BF16 casts). The tensor cores take dy in BF16: exact
   for BF16 outputs, one rounding (2^-9 relative) of the lm_head's FP32 dlogits."""
   xb, wb, x_tag, w_tag = res
-  m = xb.shape[0]
+  pl = _placement(cfg, *xb.shape[:1], *wb.shape, backend="pallas")
   dyb = dy_MxN.astype(jnp.bfloat16)
-  dgrad = lambda dy, w: _bf16_gemm(dy, w.T, jnp.bfloat16)  # B = w^T stored (K, N): K-major over N
-  dx = _rowwise(dgrad, cfg, m, n_replicated=1, backend="pallas")(dyb, wb)
+  dgrad = lambda od, dy, w: _bf16_gemm(dy, w.T, od)  # B = w^T stored (K, N): K-major over N
+  dx = _sharded(dgrad, "dgrad", pl, jnp.bfloat16)(dyb, wb)
   # wgrad contracts over tokens (M, zero-padded to a multiple of 128 by _bf16_gemm). FP32 out: a mesh sums the
   # per-device partials in FP32, and the one rounding to BF16 comes after, as on one device.
-  wgrad = lambda dy, x: _bf16_gemm(dy.T, x.T, jnp.float32)
-  dw = _rowwise(wgrad, cfg, m, n_rows=2, sum_rows=True, backend="pallas")(dyb, xb)
+  wgrad = lambda od, dy, x: _bf16_gemm(dy.T, x.T, od)
+  dw = _sharded(wgrad, "wgrad", pl, jnp.float32)(dyb, xb)
   return dx.astype(x_tag.dtype), dw.astype(jnp.bfloat16).astype(w_tag.dtype)
 
 
@@ -340,12 +400,22 @@ def _refuse_complex(op: str, x, w):
                     f"casts would silently drop the imaginary part")
 
 
-def linear(x: jax.Array, w, cfg: LinearConfig = LinearConfig()) -> jax.Array:
+PARALLEL_STYLES = (None, "column", "row")
+
+
+def linear(x: jax.Array, w, cfg: LinearConfig = LinearConfig(), parallel: str | None = None) -> jax.Array:
   """``x_...xK . w^T`` for ``w`` stored (N, K); FP8 or BF16 by the type of ``w`` (module docstring).
 
+  ``parallel``: the layer's tensor-parallel style on a mesh with a "tensor" axis ("column" | "row", the parameter
+  schema's ``PARALLEL``; ``_placement`` says what each does), or None. It changes where the kernels run, and for
+  "row" the order of the K sum (over shards, then summed in rank order), never the result's shape.
   ``x`` with no rows (M = 0) gives the empty (..., N) result. Complex operands are refused (the casts to BF16/FP8
   would drop the imaginary part silently).
   """
+  if parallel not in PARALLEL_STYLES:
+    raise ValueError(f"linear: parallel must be one of {PARALLEL_STYLES}, got {parallel!r}")
+  if parallel != cfg.parallel:
+    cfg = dataclasses.replace(cfg, parallel=parallel)
   if x.ndim < 1:
     raise ValueError(f"linear: x must have a contraction axis (shape (..., K)), got shape {tuple(x.shape)}")
   if len(w.shape) != 2:

@@ -238,13 +238,14 @@ class Sampler:
     s = self.scfg
     fp8 = s.kv_cache == "fp8"
     need = self._cache_bytes(s.slots, s.max_len, fp8) + self._cache_bytes(n_prompts, bucket, fp8)
-    stats = jax.devices()[0].memory_stats() or {}
+    dev = jax.local_devices()[0]  # this process's own (memory_stats of another host's device cannot be read)
+    stats = dev.memory_stats() or {}
     if "bytes_limit" in stats:
       free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
       if need > s.memory_fraction * free:
         raise ValueError(
             f"KV caches need {need / 2**30:.2f} GiB (rollout.slots={s.slots} x rollout.max_len={s.max_len} "
-            f"+ {n_prompts} prompts x {bucket}) but only {free / 2**30:.2f} GiB is free on {jax.devices()[0]}; "
+            f"+ {n_prompts} prompts x {bucket}) but only {free / 2**30:.2f} GiB is free on {dev}; "
             f"lower rollout.slots or rollout.max_len, or use rollout.kv_cache='fp8'")
     return need
 

@@ -83,6 +83,32 @@ def split_batch_axes(mesh: Mesh | None, m: int) -> tuple[str, ...] | None:
   return axes
 
 
+def tensor_axis(mesh: Mesh | None) -> str | None:
+  """``"tensor"`` when ``mesh`` splits it over more than one device, else None."""
+  return "tensor" if mesh is not None and mesh.shape.get("tensor", 1) > 1 else None
+
+
+def per_device(fn, mesh: Mesh, in_specs, out_specs):
+  """``fn`` on each device's blocks (``shard_map``): how opaque kernels (Pallas custom calls, which XLA's SPMD
+  partitioner would run on gathered operands) run on a mesh. ``in_specs`` / ``out_specs`` say which mesh axes split
+  each operand's dimensions; the caller's operands are resharded to them as needed."""
+  return jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)
+
+
+def ordered_sum(x, axis: str):
+  """Sum of ``x`` over mesh axis ``axis`` (inside ``per_device``) in rank order: gather, then add left to right.
+
+  An all-reduce (``psum``) leaves the summation order to the collective library, which picks its algorithm (ring,
+  tree, ...) by message size: the same partials could then round differently for a decode step and for a training
+  batch. Summed in a fixed order, a row's result depends on its partials only, so a tensor-parallel GEMM stays batch
+  invariant (the sampler's rows are the trainer's). Over 2 ranks it moves the same bytes as an all-reduce."""
+  parts = jax.lax.all_gather(x, axis)
+  out = parts[0]
+  for i in range(1, parts.shape[0]):
+    out = out + parts[i]
+  return out
+
+
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 

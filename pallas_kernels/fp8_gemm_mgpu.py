@@ -148,7 +148,7 @@ class TuningConfig:
 
 def _num_sms() -> int:
   try:
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]
   except RuntimeError:
     return 132
   return getattr(dev, "core_count", 0) or 132

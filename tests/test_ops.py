@@ -328,25 +328,119 @@ def test_pallas_path_runs_per_device_on_a_mesh():
   _check_per_device(fake=True)
 
 
+TP_SCRIPT = r"""
+import os, sys, json, functools
+FAKE = {fake}  # 4 fake CPU devices (fsdp 2 x tensor 2) with interpret-mode stand-ins, else local GPUs, tensor 2
+if FAKE:
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+sys.path.insert(0, {repo!r})
+import fp8jax, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from fp8jax import ops, quant
+from fp8jax.model import schema
+from pallas_kernels import fp8_gemm, fp8_gemm_triton, fp8_quant
+
+devices = np.asarray(jax.devices())
+if FAKE:  # the stand-ins of PER_DEVICE_SCRIPT
+  ops.resolve_backend = lambda requested: "pallas"
+  ops._pallas_gemm = lambda: functools.partial(fp8_gemm_triton.fp8_gemm, interpret=True)
+  class Q:
+    quantize_act = functools.partial(fp8_quant.quantize_act, interpret=True)
+    quantize_act_t = functools.partial(fp8_quant.quantize_act_t, interpret=True)
+  ops._pallas_quant = lambda: Q
+  ops.resolve_bf16_backend = lambda requested: "pallas"
+  ops._pallas_bf16_gemm = lambda: fp8_gemm.bf16_gemm_reference
+mesh = Mesh(devices[:4].reshape(1, 2, 2) if len(devices) >= 4 else devices[:2].reshape(1, 1, 2),
+            ("data", "fsdp", "tensor"))
+m = 256
+out = {{}}
+for style, (n, k), axes in (("column", (512, 256), schema.COLUMN), ("row", (256, 512), schema.ROW)):
+  x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (n, k), jnp.float32) * 0.05
+  g = jax.random.normal(jax.random.key(2), (m, n), jnp.float32)
+  for mode, wrap in (("fp8", quant.FP8Weight), ("bf16", lambda w: w)):
+    def run(cfg, x, w):
+      lin = lambda x, w: ops.linear(x, wrap(w), cfg, style)
+      y = jax.jit(lin)(x, w)
+      dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(lin(x, w).astype(jnp.float32) * g), argnums=(0, 1)))(x, w)
+      small = jax.jit(lin)(x[:3], w)  # a decode-sized batch: 3 rows do not divide over the row axes
+      return [np.asarray(a, np.float32) for a in (y, dx, dw, small)], str(jax.make_jaxpr(lin)(x, w))
+    one, _ = run(ops.LinearConfig(backend="pallas"), x, w)
+    xs = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), "tensor" if style == "row" else None)))
+    ws = jax.device_put(w, NamedSharding(mesh, P(*axes)))
+    many, jaxpr = run(ops.LinearConfig(backend="pallas", mesh=mesh), xs, ws)
+    rel = lambda a, b: float(np.abs(a - b).max() / np.abs(b).max())
+    out[style + "_" + mode] = dict(
+        y_bitwise=bool((many[0] == one[0]).all()), dx_bitwise=bool((many[1] == one[1]).all()),
+        y_rel=rel(many[0], one[0]), dx_rel=rel(many[1], one[1]), dw_rel=rel(many[2], one[2]),
+        decode_rows_bitwise=bool((many[3] == many[0][:3]).all()), all_gathers=jaxpr.count("all_gather"),
+        shard_maps=jaxpr.count("shard_map"))
+print("RESULT" + json.dumps(out))
+"""
+
+
+def _check_tensor_parallel(fake: bool):
+  """TP_SCRIPT: column- and row-parallel linears (FP8 and BF16 mode) on a mesh with a tensor axis vs one device.
+
+  Where a shard computes whole output elements the result is bitwise the single device's (column forward, row
+  dgrad). Where a contraction is split over the tensor axis (row forward, column dgrad) the shards' FP32 partial
+  sums are added in rank order, then rounded once to BF16: within one BF16 rounding (2^-8 relative to the largest
+  entry) of one device; wgrad (partials over tokens) within FP32 summation order (FP8 mode) or one BF16 rounding.
+  In every case a decode-sized batch (3 rows) gives bitwise the rows of the 256-row batch: the sampler's rows are
+  the trainer's also under tensor parallelism."""
+  res = subprocess.run([sys.executable, "-c", TP_SCRIPT.format(repo=REPO, fake=fake)], capture_output=True,
+                       text=True, timeout=600)
+  assert res.returncode == 0, res.stderr[-3000:]
+  out = json.loads(res.stdout.split("RESULT")[-1])
+  for mode in ("fp8", "bf16"):
+    col, row = out["column_" + mode], out["row_" + mode]
+    assert col["y_bitwise"] and row["dx_bitwise"], out
+    assert col["dx_rel"] <= 2.0**-8 and row["y_rel"] <= 2.0**-8, out
+    for r in (col, row):
+      assert r["decode_rows_bitwise"] and r["shard_maps"] >= 1, out
+      assert r["dw_rel"] <= (1e-5 if mode == "fp8" else 2.0**-8), out
+    assert row["all_gathers"] >= 1 and col["all_gathers"] == 0, out  # the ordered sum of the row-parallel forward
+
+
+@cpu_only
+def test_tensor_parallel_linear_on_fake_devices():
+  _check_tensor_parallel(fake=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (ops.hopper_available() and len(jax.devices()) >= 2), reason="needs >= 2 Hopper GPUs")
+def test_gpu_tensor_parallel_linear():
+  _check_tensor_parallel(fake=False)
+
+
 class _StubMesh:
-  """Stands in for a jax Mesh in ``_per_device`` (which reads only ``size`` and ``shape``)."""
+  """Stands in for a jax Mesh in ``_placement`` (which reads only ``size`` and ``shape``)."""
 
   def __init__(self, **shape):
     self.shape = shape
     self.size = int(np.prod(list(shape.values())))
 
 
-def test_per_device_only_for_pallas_rows_that_divide(monkeypatch):
+def test_placement_rows_that_divide_and_aligned_tensor_shards(monkeypatch):
   rows4 = _StubMesh(data=2, fsdp=2, tensor=1)
   monkeypatch.setattr(ops, "resolve_backend", lambda requested: requested)
-  assert ops._per_device(ops.LinearConfig(backend="pallas", mesh=rows4), 512) == (rows4, ("data", "fsdp"))
-  assert ops._per_device(ops.LinearConfig(backend="pallas", mesh=rows4), 130) is None  # 130 rows over 4 devices
-  assert ops._per_device(ops.LinearConfig(backend="xla", mesh=rows4), 512) is None  # XLA partitions its own ops
-  assert ops._per_device(ops.LinearConfig(backend="pallas"), 512) is None  # no mesh
-  assert ops._per_device(ops.LinearConfig(backend="pallas", mesh=_StubMesh(data=1, fsdp=1, tensor=1)), 512) is None
-  assert ops._per_device(ops.LinearConfig(backend="pallas", mesh=_StubMesh(data=1, fsdp=1, tensor=4)), 512) is None
+  place = lambda m, mesh, backend="pallas", parallel=None, n=512, k=512: ops._placement(
+      ops.LinearConfig(backend=backend, mesh=mesh, parallel=parallel), m, n, k)
+  assert place(512, rows4) == ops._Placement(rows4, ("data", "fsdp"), None, None)
+  assert place(130, rows4) is None  # 130 rows over 4 devices
+  assert place(512, rows4, backend="xla") is None  # XLA partitions its own ops
+  assert place(512, None) is None  # no mesh
+  assert place(512, _StubMesh(data=1, fsdp=1, tensor=1)) is None
+  tp4 = _StubMesh(data=1, fsdp=1, tensor=4)
+  assert place(512, tp4) is None  # not a tensor-parallel layer: gathered
+  assert place(512, tp4, parallel="column") == ops._Placement(tp4, None, "tensor", "column")
+  assert place(3, tp4, parallel="row") == ops._Placement(tp4, None, "tensor", "row")  # independent of the rows
+  assert place(512, tp4, parallel="column", n=384) is None  # 384 = 3 blocks over 4 shards: gathered (logged)
+  assert place(512, tp4, parallel="row", k=640) is None
   fsdp8 = _StubMesh(data=1, fsdp=8, tensor=1)
-  assert ops._per_device(ops.LinearConfig(backend="pallas", mesh=fsdp8), 1024) == (fsdp8, ("fsdp",))
+  assert place(1024, fsdp8) == ops._Placement(fsdp8, ("fsdp",), None, None)
+  with pytest.raises(ValueError, match="parallel must be one of"):
+    ops.linear(jnp.ones((2, 128)), jnp.ones((128, 128)), parallel="colum")
 
 
 @pytest.mark.gpu

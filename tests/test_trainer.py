@@ -184,33 +184,54 @@ def test_collapsed_policy_stops_the_run(tmp_path, parity_reward, monkeypatch):
 
 SHARDED_SCRIPT = r"""
 import os, sys, json
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
-import fp8jax, jax
-from test_trainer import small_config
+import fp8jax, jax, numpy as np
+from test_trainer import small_config, _parity_score
 from fp8jax.rl import trainer as T
+T._ArithmeticSource.score = _parity_score  # rewards with variance: a real gradient to compare
 out = {{}}
-for name, mesh in (("one", dict(data=1, fsdp=1, tensor=1)), ("four", dict(data=1, fsdp=2, tensor=2))):
+meshes = (("one", dict(data=1, fsdp=1, tensor=1)), ("four", dict(data=1, fsdp=2, tensor=2)),
+          ("eight", dict(data=2, fsdp=2, tensor=2)))
+for name, mesh in meshes:
   c = small_config()
   c.mesh.update(mesh)
-  tr = T.RLTrainer(c, os.path.join({tmp!r}, name), devices=jax.devices()[:1] if name == "one" else None)
+  n = mesh["data"] * mesh["fsdp"] * mesh["tensor"]
+  tr = T.RLTrainer(c, os.path.join({tmp!r}, name), devices=jax.devices()[:n])
   tr.warmstart()
+  before = np.asarray(tr.state.params["layers"][0]["wq"])
   m = tr.step(0)
   out[name] = {{k: float(m[k]) for k in ("loss", "grad_norm", "reward_mean", "token_mult_prob_error")}}
   out[name + "_spec"] = list(tr.state.params["layers"][0]["wq"].sharding.spec)
+  out[name + "_devices"] = len(tr.state.params["layers"][0]["wq"].sharding.device_set)
+  np.save(os.path.join({tmp!r}, name + "_dwq.npy"), np.asarray(tr.state.params["layers"][0]["wq"]) - before)
 print("RESULT" + json.dumps(out))
 """
 
 
-def test_sharded_equals_unsharded_on_4_fake_devices(tmp_path):
+def test_sharded_equals_unsharded_on_4_and_8_fake_devices(tmp_path):
+  """One warm start + GRPO step (rewards with variance) on 1, 4 (fsdp 2 x tensor 2) and 8 (data 2 x fsdp 2 x
+  tensor 2) fake CPU devices: the same rollouts (reward_mean equal: sampling is the same computation), loss and
+  gradient norm within FP32 summation order (sharded reductions sum in another order: not bitwise on XLA:CPU), the
+  RL step's update of wq pointing the same way as on one device (cosine >= 0.9: Adam's first step is about
+  -lr * sign(g), so only the signs of near-zero gradient entries may differ; a wrong sharded gradient gives ~0),
+  and sampler == trainer on every mesh."""
   script = SHARDED_SCRIPT.format(repo=REPO, tmp=str(tmp_path))
-  res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+  res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
   assert res.returncode == 0, res.stderr[-3000:]
   out = json.loads(res.stdout.split("RESULT")[-1])
-  assert out["four_spec"] == ["tensor", "fsdp"]
-  assert out["one"]["reward_mean"] == out["four"]["reward_mean"]  # same rollouts
-  for k in ("loss", "grad_norm"):  # sharded reductions sum in another order: FP32-close, not bitwise
-    np.testing.assert_allclose(out["four"][k], out["one"][k], rtol=2e-2, atol=1e-5)
+  assert out["four_spec"] == out["eight_spec"] == ["tensor", "fsdp"]
+  assert (out["one_devices"], out["four_devices"], out["eight_devices"]) == (1, 4, 8)
+  assert out["one"]["grad_norm"] > 0, out  # a real update to compare
+  d1 = np.load(tmp_path / "one_dwq.npy").ravel()
+  for name in ("four", "eight"):
+    assert out["one"]["reward_mean"] == out[name]["reward_mean"], out  # same rollouts
+    for k in ("loss", "grad_norm"):
+      np.testing.assert_allclose(out[name][k], out["one"][k], rtol=2e-2, atol=1e-5)
+    assert abs(out[name]["token_mult_prob_error"] - 1.0) < 1e-4, out
+    d = np.load(tmp_path / f"{name}_dwq.npy").ravel()
+    cos = float(d @ d1 / (np.linalg.norm(d) * np.linalg.norm(d1)))
+    assert cos >= 0.9, (name, cos)
 
 
 def test_tiny_config_lists_every_optimizer_key():

@@ -9,6 +9,7 @@ from fp8jax import kvcache as kvc
 from fp8jax import ops
 from fp8jax.model.config import ModelConfig
 from fp8jax.model.layers import apply_rope, rms_norm
+from fp8jax.model.schema import PARALLEL
 
 
 def _amax(x):
@@ -23,12 +24,12 @@ def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, la
   """
   b, t, _ = x_BxTxD.shape
   hq, hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-  q = ops.linear(x_BxTxD, p["wq"], lcfg).reshape(b, t, hq, hd)
-  k = ops.linear(x_BxTxD, p["wk"], lcfg).reshape(b, t, hkv, hd)
-  v = ops.linear(x_BxTxD, p["wv"], lcfg).reshape(b, t, hkv, hd)
+  q = ops.linear(x_BxTxD, p["wq"], lcfg, PARALLEL["wq"]).reshape(b, t, hq, hd)
+  k = ops.linear(x_BxTxD, p["wk"], lcfg, PARALLEL["wk"]).reshape(b, t, hkv, hd)
+  v = ops.linear(x_BxTxD, p["wv"], lcfg, PARALLEL["wv"]).reshape(b, t, hkv, hd)
   if cfg.qk_norm:
-    q, k = (rms_norm(q, p["q_norm"], cfg.norm_eps, cfg.norm_backend),
-            rms_norm(k, p["k_norm"], cfg.norm_eps, cfg.norm_backend))
+    q, k = (rms_norm(q, p["q_norm"], cfg.norm_eps, cfg.norm_backend, lcfg.mesh),
+            rms_norm(k, p["k_norm"], cfg.norm_eps, cfg.norm_backend, lcfg.mesh))
   q, k = apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq)
   amax = (_amax(k), _amax(v))
 
@@ -54,4 +55,4 @@ def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, la
       ck, cv = kvc.write(ck, k, positions_BxT), kvc.write(cv, v, positions_BxT)
     new_layer = (ck, cv)
     out = attn.attend(q, ck, cv, positions_BxT, k_scale=sk, v_scale=sv, backend=cfg.attn_backend, mesh=lcfg.mesh)
-  return ops.linear(out.reshape(b, t, hq * hd), p["wo"], lcfg), new_layer, amax
+  return ops.linear(out.reshape(b, t, hq * hd), p["wo"], lcfg, PARALLEL["wo"]), new_layer, amax

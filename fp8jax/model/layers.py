@@ -8,21 +8,37 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fp8jax import ops
+from fp8jax import ops, sharding
 from fp8jax.model.config import ModelConfig
 from pallas_kernels import rms_norm as norm_ref
 
-def rms_norm(x, w, eps, backend: str = "auto"):
+def rms_norm(x, w, eps, backend: str = "auto", mesh=None):
   """HF LlamaRMSNorm: normalize in FP32, cast back, then scale (``pallas_kernels.rms_norm.rms_rows``, with its
   overflow-safe prescale of huge rows).
 
   On a CUDA GPU ("auto" / "pallas", config key model.norm_backend) the rows go through the fixed-tile Pallas kernel,
   so that a row's bits do not depend on the number of rows (the sampler's decode rows are the trainer's); its
   backward is the reference's. Elsewhere, or for widths the kernel does not take (logged, ``ops.backend_report``),
-  the plain-jnp reference."""
+  the plain-jnp reference. ``mesh``: on a multi-device mesh the kernel runs per device (``_per_device``)."""
   if _norm_backend(backend, x) == "pallas":
-    return _rms_norm_kernel(x, w, eps)
+    return _per_device(lambda x_, w_: _rms_norm_kernel(x_, w_, eps), mesh, x)(x, w)
   return norm_ref.rms_norm_reference(x, w, eps)
+
+
+def _per_device(fn, mesh, x):
+  """``fn(x, w)`` per device (``sharding.per_device``), else as is: the kernel is an opaque custom call, which XLA
+  would run on gathered rows. Rows are independent, so each device normalizes its own: dim 0 over the batch axes
+  that divide it and, for a (B, T, H, D) input (QK-norm), the heads over a "tensor" axis that divides them (the
+  tensor-parallel layout of q and k)."""
+  axes = sharding.split_batch_axes(mesh, x.shape[0])
+  tp = sharding.tensor_axis(mesh) if x.ndim == 4 else None
+  if tp is not None and x.shape[2] % mesh.shape[tp]:
+    tp = None
+  if axes is None and tp is None:
+    return fn
+  P = jax.sharding.PartitionSpec
+  spec = P(axes, *([None] * (x.ndim - 2)), None) if tp is None else P(axes, None, tp, None)
+  return sharding.per_device(fn, mesh, (spec, P()), spec)
 
 
 @functools.cache

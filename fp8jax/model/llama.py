@@ -52,12 +52,12 @@ def decoder_layer(p, x, positions_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig,
 
   The MLP is the dense SwiGLU or, in MoE layers (``cfg.is_moe_layer``), the MoE block (``moe``).
   ``lcfg.out_dtype`` must already be the activation dtype (``forward`` sets it)."""
-  hn = rms_norm(x, p["attn_norm"], cfg.norm_eps, cfg.norm_backend)
+  hn = rms_norm(x, p["attn_norm"], cfg.norm_eps, cfg.norm_backend, lcfg.mesh)
   attention = mla.attention if cfg.is_mla else gqa.attention
   h, new_layer, amax = attention(p, hn, positions_BxT, cfg, lcfg, inv_freq, layer=layer, cache=cache,
                                  kv_scales=kv_scales, own_positions=own_positions)
   x = x + h
-  hn = rms_norm(x, p["mlp_norm"], cfg.norm_eps, cfg.norm_backend)
+  hn = rms_norm(x, p["mlp_norm"], cfg.norm_eps, cfg.norm_backend, lcfg.mesh)
   stats = None
   if cfg.is_moe_layer(layer):
     h, stats = moe(p, hn, cfg, lcfg, router_mask_BxT)
@@ -102,7 +102,7 @@ def forward(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.L
       new_k.append(new_layer[0])
       if new_layer[1] is not None:  # an MLA cache holds the latent only (k), no v
         new_v.append(new_layer[1])
-  x = rms_norm(x, params["final_norm"], cfg.norm_eps, cfg.norm_backend)
+  x = rms_norm(x, params["final_norm"], cfg.norm_eps, cfg.norm_backend, lcfg.mesh)
   new_cache = None if cache is None else dataclasses.replace(cache, k=new_k, v=new_v)
   return x, new_cache, ForwardAux(jnp.stack(k_amax), jnp.stack(v_amax), tuple(router))
 

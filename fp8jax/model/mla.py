@@ -77,13 +77,14 @@ def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, la
   b, t, _ = x_BxTxD.shape
   h, dn, dr, r = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
   if cfg.q_lora_rank:
-    qa = rms_norm(ops.linear(x_BxTxD, p["wq_a"], lcfg), p["q_a_norm"], LATENT_NORM_EPS, cfg.norm_backend)
+    qa = rms_norm(ops.linear(x_BxTxD, p["wq_a"], lcfg), p["q_a_norm"], LATENT_NORM_EPS, cfg.norm_backend,
+                  lcfg.mesh)
     q = ops.linear(qa, p["wq_b"], lcfg)
   else:
     q = ops.linear(x_BxTxD, p["wq"], lcfg)
   q = q.reshape(b, t, h, dn + dr)
   kv = ops.linear(x_BxTxD, p["wkv_a"], lcfg)
-  c = rms_norm(kv[..., :r], p["kv_a_norm"], LATENT_NORM_EPS, cfg.norm_backend)
+  c = rms_norm(kv[..., :r], p["kv_a_norm"], LATENT_NORM_EPS, cfg.norm_backend, lcfg.mesh)
   rope = dict(interleaved=cfg.rope_interleave, scale=rope_attention_factor(cfg))
   q_rope = apply_rope(q[..., dn:], positions_BxT, inv_freq, **rope)
   k_rope = apply_rope(kv[..., None, r:], positions_BxT, inv_freq, **rope)

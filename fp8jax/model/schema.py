@@ -160,7 +160,7 @@ LAYER: tuple[Param, ...] = (
     # K half multiplies q per head over qk_nope_head_dim and its V half the latent output per head
     # (``ops.grouped_linear`` over heads, BF16), not the (out, in) GEMM the FP8 recipe quantizes; NeMo RL's
     # Moonlight recipe keeps the MLA projections BF16 anyway.
-    Param("wq_a", _shape("q_lora_rank", "dim"), COLUMN, "self_attn.q_a_proj", linear=True, present=_q_lora),
+    Param("wq_a", _shape("q_lora_rank", "dim"), (None, FSDP), "self_attn.q_a_proj", linear=True, present=_q_lora),
     Param("q_a_norm", _vec("q_lora_rank"), REPLICATED, "self_attn.q_a_layernorm", init="ones", present=_q_lora),
     Param("wq_b", _shape("q_dim", "q_lora_rank"), COLUMN, "self_attn.q_b_proj", linear=True, present=_q_lora),
     Param("wkv_a", _shape(_dims("kv_lora_rank", "qk_rope_head_dim"), "dim"), (None, FSDP),
@@ -211,6 +211,10 @@ LINEAR_NAMES: tuple[str, ...] = tuple(p.key for p in LAYER if p.linear)
 SHARDING_RULES: dict[str, tuple[str | None, ...]] = {p.key: p.axes for p in BY_KEY.values() if p.axes}
 HF_LAYER_MODULES: dict[str, str] = {p.key: p.hf for p in LAYER}
 HF_TOP_MODULES: dict[str, str] = {p.key: p.hf for p in TOP}
+# Tensor-parallel style of each 2-D layer linear (``ops.linear(..., parallel=)``), from its axes: output features over
+# tensor -> "column", input features over tensor -> "row".
+PARALLEL: dict[str, str] = {p.key: {COLUMN: "column", ROW: "row"}[p.axes] for p in LAYER
+                            if p.linear and p.axes in (COLUMN, ROW)}
 
 
 def layer_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
