@@ -31,7 +31,8 @@ def get_config(arg=None):
       dtype="bfloat16", remat=False,
       attn_backend="auto"))  # fp8jax.attention: "auto" (Pallas kernels on a CUDA GPU, else the reference) | "xla" | "pallas"
 
-  # FP8 recipe (fp8jax.quant.Recipe): block FP8 for every linear layer, FP8 KV cache in rollouts.
+  # FP8 recipe (fp8jax.quant.Recipe): block FP8 for every linear layer, FP8 KV cache in rollouts. mode: "fp8" (sampler
+  # and trainer, one engine), "bf16", or "fp8_rollout" (FP8 in generation only, the trainer BF16: docs/parity.md).
   c.fp8 = ml_collections.ConfigDict(dict(
       mode="fp8", keep_first_n=0, keep_last_n=0, keep_patterns=(), pow2_scales=False, kv_cache="fp8",
       gemm_backend="auto", quantize_lm_head=False))
@@ -51,7 +52,8 @@ def get_config(arg=None):
       temperature=1.0, top_p=1.0, top_k=0,
       decode_chunk=8,  # decode steps per jitted call; finished slots are refilled between calls
       kv_scale_margin=1.25,  # FP8 KV scale = margin * amax / 448 (fp8jax.kvcache)
-      prompt_buckets=(16,)))
+      prompt_buckets=(16,),
+      seed=0))  # varies the rollouts' sampling only (not the problems or the init): RL seeds from one warm start
 
   c.grpo = ml_collections.ConfigDict(dict(
       num_prompts=32, num_generations=8,  # G completions per prompt

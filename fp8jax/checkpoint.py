@@ -27,6 +27,8 @@ from collections.abc import Callable
 import jax
 import orbax.checkpoint as ocp
 
+from fp8jax import distributed
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "fp8jax_manifest.json"
@@ -71,7 +73,9 @@ class Checkpointer:
     self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
                                                   **items))
     self._mngr.wait_until_finished()
-    self._write_manifest(step)
+    if distributed.is_primary():  # one writer; the others wait for it (a restore may read it next)
+      self._write_manifest(step)
+    distributed.barrier(f"fp8jax-manifest-{step}")
 
   # -- integrity ----------------------------------------------------------------------------------------------------
 
@@ -179,7 +183,8 @@ class Checkpointer:
       try:
         return step, restore_fn(step)
       except CheckpointCorrupt as e:
-        moved = self.quarantine(step)
+        moved = self.quarantine(step) if distributed.is_primary() else self.step_dir(step) + ".corrupt"
+        distributed.barrier(f"fp8jax-quarantine-{step}")
         problems.append(str(e))
         log.warning("checkpoint step %d is corrupt: %s; moved it to %s and falling back to the previous checkpoint",
                     step, e, moved)

@@ -17,6 +17,7 @@ _INIT = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2)  # kernel is (out
 
 
 def _apply(x, kernel, recipe: quant.Recipe, out_dtype: str):
+  recipe.check_one_side("fp8jax.flax layers")
   w = quant.FP8Weight(kernel) if recipe.mode == "fp8" else kernel
   return ops.linear(x, w, ops.LinearConfig.from_recipe(recipe, out_dtype=out_dtype))
 

@@ -31,10 +31,13 @@ class MetricsWriter:
   """
 
   def __init__(self, workdir: str, total_steps: int, *, enable_tb: bool = True, progress: bool = True,
-               keep_through: int | None = None):
-    os.makedirs(workdir, exist_ok=True)
+               keep_through: int | None = None, enabled: bool = True):
     self.workdir = workdir
     self.path = os.path.join(workdir, "metrics.jsonl")
+    self._f = self._tb = self._bar = None
+    if not enabled:  # another process of a multi-process run writes (fp8jax.distributed): rows are only returned
+      return
+    os.makedirs(workdir, exist_ok=True)
     if keep_through is not None:
       truncate_jsonl(self.path, keep_through)
     self._f = open(self.path, "a")
@@ -61,8 +64,9 @@ class MetricsWriter:
       s = _scalar(v)
       if s is not None:
         row[k] = s
-    self._f.write(json.dumps(row) + "\n")
-    self._f.flush()
+    if self._f is not None:
+      self._f.write(json.dumps(row) + "\n")
+      self._f.flush()
     if self._tb is not None:
       for k, v in row.items():
         if k != "step":
@@ -78,7 +82,8 @@ class MetricsWriter:
       self._bar.close()
     if self._tb is not None:
       self._tb.close()
-    self._f.close()
+    if self._f is not None:
+      self._f.close()
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -210,11 +210,18 @@ def roundtrip_bound(x: jax.Array, scale_per_elem: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------------------------------------------------------
 
 
+MODES = ("fp8", "bf16", "fp8_rollout")
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
   """How a model's linear layers are quantized. Built from the config's ``fp8`` group by ``Recipe.from_config``.
 
-  mode: "fp8" (block FP8 GEMMs) or "bf16" (no quantization; same call sites).
+  mode: "fp8" (block FP8 GEMMs in the sampler and the trainer: one engine), "bf16" (no quantization; same call
+    sites), or "fp8_rollout" (FP8 in generation only, NeMo RL's two-engine setup: the sampler runs block-FP8 weights
+    requantized from the BF16 policy after every step, and the FP8 KV cache if kv_cache="fp8"; the trainer runs BF16,
+    K/V unquantized). A "fp8_rollout" recipe is not used directly: ``sampler_side()`` / ``trainer_side()`` give the
+    one-sided recipe each engine runs, with the same model function and quantizer as the other modes.
   keep_first_n / keep_last_n: decoder layers kept in BF16 at either end (NeMo RL's recipe allows this).
   keep_patterns: fnmatch patterns over parameter paths ("layers/3/wo", "*/w_down") kept in BF16.
   pow2_scales: round scales up to powers of two.
@@ -233,8 +240,8 @@ class Recipe:
   quantize_lm_head: bool = False
 
   def __post_init__(self):
-    if self.mode not in ("fp8", "bf16"):
-      raise ValueError(f"fp8.mode must be 'fp8' or 'bf16', got {self.mode!r}")
+    if self.mode not in MODES:
+      raise ValueError(f"fp8.mode must be one of {MODES}, got {self.mode!r}")
     if self.kv_cache not in ("fp8", "bf16"):
       raise ValueError(f"fp8.kv_cache must be 'fp8' or 'bf16', got {self.kv_cache!r}")
     if self.gemm_backend not in ("auto", "xla", "pallas"):
@@ -246,8 +253,23 @@ class Recipe:
   def from_config(cls, c: Any) -> "Recipe":
     return dataclass_from_group(cls, c, "fp8")
 
+  def sampler_side(self) -> "Recipe":
+    """The recipe the sampler runs: FP8 weights for "fp8_rollout", else this recipe."""
+    return dataclasses.replace(self, mode="fp8") if self.mode == "fp8_rollout" else self
+
+  def trainer_side(self) -> "Recipe":
+    """The recipe the trainer runs: BF16 GEMMs and unquantized K/V for "fp8_rollout", else this recipe."""
+    return dataclasses.replace(self, mode="bf16", kv_cache="bf16") if self.mode == "fp8_rollout" else self
+
+  def check_one_side(self, what: str) -> None:
+    """Raises for a two-sided ("fp8_rollout") recipe where one engine's recipe is needed."""
+    if self.mode == "fp8_rollout":
+      raise ValueError(f"{what}: fp8.mode='fp8_rollout' quantizes the sampler's weights only; pick the engine's "
+                       f"recipe with Recipe.sampler_side() or Recipe.trainer_side() first")
+
   def selects(self, path: str, layer: int | None, num_layers: int) -> bool:
     """Whether the linear weight at ``path`` (in decoder layer ``layer``, or None) is quantized to FP8."""
+    self.check_one_side("Recipe.selects (quantize_params / mark_fp8)")
     if self.mode != "fp8":
       return False
     if layer is not None and (layer < self.keep_first_n or layer >= num_layers - self.keep_last_n):

@@ -9,7 +9,8 @@ is set aside with a warning); metrics rows written after that checkpoint are dro
 ``--noresume`` refuses a workdir that already holds a run, because starting over in place would mix the two (orbax
 does not overwrite existing steps): give a new --workdir, or delete the old run's checkpoints/, metrics.jsonl and tb/.
 Errors that stop a run (divergence, a locked or used workdir, a checkpoint made with another model shape) print one
-message and exit with status 1.
+message and exit with status 1. Multi-process runs: the same command on every process, with JAX_COORDINATOR_ADDRESS,
+JAX_NUM_PROCESSES and JAX_PROCESS_ID set (fp8jax/distributed.py).
 """
 
 import os
@@ -33,6 +34,9 @@ def main(argv):
   del argv
   if _CONFIG.value is None:
     raise app.UsageError("--config is required, e.g. --config=configs/tiny_fp8.py")
+  from fp8jax import distributed  # noqa: PLC0415
+
+  distributed.initialize_from_env()  # multi-process runs (fp8jax/distributed.py); before any device is touched
   from fp8jax.checkpoint import CheckpointCorrupt, CheckpointUnreadable, WorkdirLocked  # noqa: PLC0415
   from fp8jax.metrics import read_jsonl  # noqa: PLC0415
   from fp8jax.rl.trainer import CheckpointMismatch, RLTrainer, RunDirInUse, TrainingDiverged  # noqa: PLC0415
@@ -47,6 +51,8 @@ def main(argv):
   except (TrainingDiverged, WorkdirLocked, RunDirInUse, CheckpointMismatch, CheckpointCorrupt,
           CheckpointUnreadable) as e:
     sys.exit(f"error: {e}")
+  if not distributed.is_primary():
+    return  # process 0 wrote the metrics and prints the summary
   # The summary covers the whole run, also when this call resumed it (metrics.jsonl is appended to).
   path = os.path.join(trainer.workdir, "metrics.jsonl")
   rows = read_jsonl(path) if os.path.exists(path) else history

@@ -186,3 +186,14 @@ def test_recipe_rejects_bad_values():
     quant.Recipe(mode="fp4")
   with pytest.raises(ValueError, match="unknown fp8 config keys"):
     quant.Recipe.from_config({"mode": "fp8", "kv_cach": "fp8"})
+
+
+def test_fp8_rollout_recipe_has_two_sides_and_refuses_one_sided_use():
+  r = quant.Recipe(mode="fp8_rollout", kv_cache="fp8", keep_first_n=1)
+  assert r.sampler_side() == quant.Recipe(mode="fp8", kv_cache="fp8", keep_first_n=1)
+  assert r.trainer_side() == quant.Recipe(mode="bf16", kv_cache="bf16", keep_first_n=1)
+  for one in (quant.Recipe(), quant.Recipe(mode="bf16")):
+    assert one.sampler_side() is one and one.trainer_side() is one
+  for fn in (quant.quantize_params, quant.mark_fp8):
+    with pytest.raises(ValueError, match="fp8.mode='fp8_rollout'.*sampler_side"):
+      fn(_params(), r)

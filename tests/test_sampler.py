@@ -394,7 +394,7 @@ def test_bad_configs_give_clear_errors(sparams, monkeypatch):
     smp.SamplingParams(max_new_tokens=0)
   # a cache that does not fit: 2 layers x 4 slots x 64 x 2 heads x 64 x 2 (K, V) x 2 bytes = 256 KiB + the prompt
   # cache; with 1 MiB "free" and slots=64 it needs 4 MiB.
-  monkeypatch.setattr(smp.jax, "devices", lambda *a: [_SmallDevice()])
+  monkeypatch.setattr(smp.jax, "local_devices", lambda *a: [_SmallDevice()])
   big = smp.Sampler(CFG, smp.SamplerConfig(slots=64, max_len=MAX_LEN))
   with pytest.raises(ValueError, match=r"KV caches need .* GiB .*rollout.slots=64.*SmallDevice"):
     big.generate(p, PROMPTS, GREEDY)

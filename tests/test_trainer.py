@@ -52,9 +52,36 @@ def parity_reward(monkeypatch):
   monkeypatch.setattr(trainer_lib._ArithmeticSource, "score", _parity_score)
 
 
+def _form(w):
+  return type(w).__name__ if fp8jax.quant.is_fp8_leaf(w) else "plain"
+
+
+def record_weight_forms(monkeypatch, tr):
+  """Records the form of layer 0's ``wq`` given to the sampler and seen by the trainer's forward (and whether the
+  trainer fake-quantizes K/V): QWeight = block FP8 codes, FP8Weight = quantized on the fly, plain = BF16 GEMM."""
+  from fp8jax.model import llama  # noqa: PLC0415
+
+  seen = {"sampler": set(), "trainer": set(), "trainer_kv": set()}
+  real_generate, real_lp = tr.sampler.generate, llama.next_token_logprobs
+
+  def generate(params, *a, **kw):
+    seen["sampler"].add(_form(params["layers"][0]["wq"]))
+    return real_generate(params, *a, **kw)
+
+  def next_token_logprobs(params, *a, **kw):  # called while the trainer's jitted steps are traced
+    seen["trainer"].add(_form(params["layers"][0]["wq"]))
+    seen["trainer_kv"].add(kw.get("kv_scales") is not None)
+    return real_lp(params, *a, **kw)
+
+  monkeypatch.setattr(tr.sampler, "generate", generate)
+  monkeypatch.setattr(llama, "next_token_logprobs", next_token_logprobs)
+  return seen
+
+
 def test_full_rl_step_and_one_engine_mismatch(tmp_path, monkeypatch):
   tr = trainer_lib.RLTrainer(small_config(), str(tmp_path))
   tr.warmstart()
+  seen = record_weight_forms(monkeypatch, tr)
   before = jax.tree.map(np.asarray, tr.state.params)
   calls, rollout_prompts = [], []
   real_prompts, real_generate = tr.task.train_prompts, tr.sampler.generate
@@ -68,6 +95,7 @@ def test_full_rl_step_and_one_engine_mismatch(tmp_path, monkeypatch):
     assert key in m, key
   # One engine: the sampler's log-probs are the trainer's (FP8 weights, FP8 KV cache) up to FP32 reduction order.
   assert float(m["token_mult_prob_error"]) <= 1 + 1e-5
+  assert seen == {"sampler": {"QWeight"}, "trainer": {"FP8Weight"}, "trainer_kv": {True}}, seen
   assert int(tr.state.step) == 1
   changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(tr.state.params))]
   assert any(changed) or float(m["grad_norm"]) == 0.0
@@ -78,6 +106,29 @@ def test_full_rl_step_and_one_engine_mismatch(tmp_path, monkeypatch):
   fresh = trainer_lib._ArithmeticSource(small_config())
   assert calls == [0, 0, 1] and tr.prompt_batch == 2 and tr._meta(2)["prompt_batch"] == 2
   assert rollout_prompts == [fresh.train_prompts(4, 0)[0], fresh.train_prompts(4, 1)[0]]
+
+
+def test_fp8_rollout_runs_fp8_in_the_sampler_and_bf16_in_the_trainer(tmp_path, monkeypatch):
+  """fp8.mode='fp8_rollout' (FP8 in generation only): the sampler gets block-FP8 weights (requantized from the BF16
+  policy) and the FP8 KV cache, the trainer (warm start included) plain BF16 weights and unquantized K/V; the
+  mismatch metrics then show the gap. The bound 1 + 1e-3 is 100x the one-engine CPU tolerance above (1 + 1e-5) and
+  well below what E4M3's 2**-4 relative rounding of every weight gives (1.006 measured on this test's model)."""
+  tr = trainer_lib.RLTrainer(small_config(**{"fp8.mode": "fp8_rollout"}), str(tmp_path))
+  seen = record_weight_forms(monkeypatch, tr)
+  tr.warmstart()
+  m = tr.step(0)
+  assert seen == {"sampler": {"QWeight"}, "trainer": {"plain"}, "trainer_kv": {False}}, seen
+  assert tr.scfg.kv_cache == "fp8" and tr.kv_scales is not None and np.all(np.asarray(tr.kv_scales[0]) > 0)
+  assert float(m["token_mult_prob_error"]) > 1 + 1e-3, m["token_mult_prob_error"]
+  assert float(m["gen_kl_error"]) > 0 and float(m["max_abs_logp_diff"]) > 0
+
+
+def test_fp8_rollout_config_errors_name_the_key(tmp_path, monkeypatch):
+  monkeypatch.setattr(trainer_lib.RLTrainer, "_init_state", lambda self: pytest.fail("work started"))
+  with pytest.raises(ValueError, match=r"fp8\.mode must be one of \('fp8', 'bf16', 'fp8_rollout'\), got 'fp8_gen'"):
+    trainer_lib.RLTrainer(small_config(**{"fp8.mode": "fp8_gen"}), str(tmp_path))
+  with pytest.raises(ValueError, match=r"grpo\.mismatch_sample=0 must be >= 1 with fp8\.mode='fp8_rollout'"):
+    trainer_lib.RLTrainer(small_config(**{"fp8.mode": "fp8_rollout", "grpo.mismatch_sample": 0}), str(tmp_path))
 
 
 def test_kl_beta_zero_skips_reference_forward(tmp_path):

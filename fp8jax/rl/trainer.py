@@ -4,6 +4,9 @@ Per RL step (``RLTrainer.step``):
   1. requantize: ``sampler.prepare_params(master, recipe)`` -> FP8 weights for the sampler (one jitted pass);
   2. rollout: G completions per prompt; the sampler's log-probs are the old-policy log-probs (same model function,
      same quantizer, same GEMMs as the trainer — fp8jax/__init__ and tests/test_sampler.py);
+     with ``fp8.mode="fp8_rollout"`` (FP8 in generation only) the sampler runs the FP8 recipe and the trainer BF16
+     (``quant.Recipe.sampler_side`` / ``trainer_side``), so the two disagree, as two-engine setups do: the mismatch
+     metrics show the gap, and ``grpo.recompute_old_logp`` with ``grpo.is_kind`` corrects for it;
   3. reward (host side) -> leave-one-out group advantages (fp8jax.rl.grpo);
   4. reference log-probs only when grpo.kl_beta != 0; trainer log-probs of a sample of sequences for the mismatch
      metrics (or of all of them with grpo.recompute_old_logp);
@@ -37,7 +40,7 @@ import numpy as np
 import optax
 
 import fp8jax
-from fp8jax import kvcache, ops, quant, sampler as sampler_lib, sharding
+from fp8jax import distributed, kvcache, ops, quant, sampler as sampler_lib, sharding
 from fp8jax.checkpoint import Checkpointer, WorkdirLock
 from fp8jax.config_utils import dataclass_from_group
 from fp8jax.metrics import MetricsWriter, plot
@@ -268,6 +271,10 @@ def validate_config(c) -> None:
   need(int(c.warmstart.steps) >= 0, "warmstart.steps", "must be >= 0")
   if int(c.warmstart.steps):
     need(int(c.warmstart.batch) >= 1, "warmstart.batch", "must be >= 1")
+  if c.fp8.mode == "fp8_rollout":
+    need(int(c.grpo.mismatch_sample) >= 1 or bool(c.grpo.recompute_old_logp), "grpo.mismatch_sample",
+         "must be >= 1 with fp8.mode='fp8_rollout' (or set grpo.recompute_old_logp=True): the sampler/trainer gap "
+         "this mode opens is measured every step on that many sequences")
   r = c.rollout
   need(1 <= int(r.max_new_tokens) < int(r.max_len), "rollout.max_new_tokens",
        f"must be in [1, rollout.max_len={r.max_len}): prompt (>= 1 token) and completion share rollout.max_len, "
@@ -294,18 +301,24 @@ class RLTrainer:
     else:
       self.cfg = ModelConfig.from_config(config.model)
     self.recipe = quant.Recipe.from_config(config.fp8)
+    # The recipe each engine runs: the same one for "fp8" and "bf16" (one engine); for "fp8_rollout" FP8 weights
+    # (and the FP8 KV cache if set) in the sampler and BF16 in the trainer (quant.Recipe).
+    self.sample_recipe, self.train_recipe = self.recipe.sampler_side(), self.recipe.trainer_side()
     self.gc = dataclass_from_group(GRPOConfig, config.grpo, "grpo")
     self.oc = dataclass_from_group(OptimConfig, config.optim, "optim")
     r = config.rollout
     self.scfg = sampler_lib.SamplerConfig(slots=r.slots, max_len=r.max_len, prompt_buckets=tuple(r.prompt_buckets),
-                                          kv_cache=self.recipe.kv_cache, decode_chunk=r.decode_chunk)
+                                          kv_cache=self.sample_recipe.kv_cache, decode_chunk=r.decode_chunk)
     self.task = _make_task(config, self.cfg)
+    # rollout.seed varies the rollouts' sampling only (the task's problems, validation set and model init come from
+    # seed), so several RL seeds can start from one warm start (scripts/parity.py); 0 is the historical stream.
+    self.rollout_seed = int(r.get("seed", 0))
     self.sp = sampler_lib.SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                          max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(self.task.eos_ids))
-    if self.recipe.mode == "fp8" and self.cfg.fp8_shape_problems():
+    if self.sample_recipe.mode == "fp8" and self.cfg.fp8_shape_problems():
       log.warning("FP8 GEMMs will zero-pad: %s", ", ".join(self.cfg.fp8_shape_problems()))
     self.mesh = sharding.make_mesh(config.mesh, devices)
-    self.lcfg = ops.LinearConfig.from_recipe(self.recipe, mesh=self.mesh)
+    self.lcfg = ops.LinearConfig.from_recipe(self.recipe, mesh=self.mesh)  # scale format, backend: both engines
     self.sampler = sampler_lib.Sampler(self.cfg, self.scfg, self.lcfg)
     self.total_steps = int(config.train.steps)
     self.tx, self.lr_sched = make_optimizer(self.oc, self.total_steps)
@@ -344,7 +357,7 @@ class RLTrainer:
                         is_leaf=lambda x: isinstance(x, tuple))
 
   def _build_steps(self):
-    kw = dict(tx=self.tx, cfg=self.cfg, lcfg=self.lcfg, recipe=self.recipe, gc=self.gc)
+    kw = dict(tx=self.tx, cfg=self.cfg, lcfg=self.lcfg, recipe=self.train_recipe, gc=self.gc)
     rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     self._state_sh = self._state_shardings(self.tx)
     self._grpo_step = fp8jax.jit(functools.partial(train_step, loss_fn=grpo_loss, microbatch=self.gc.microbatch,
@@ -358,19 +371,23 @@ class RLTrainer:
           train_step, loss_fn=sft_loss, microbatch=ws.batch, **dict(kw, tx=self._sft_tx)), donate_argnums=(0,),
           out_shardings=(self._sft_state_sh, rep))
     self._logprobs = fp8jax.jit(functools.partial(sequence_logprobs, cfg=self.cfg, lcfg=self.lcfg,
-                                                  recipe=self.recipe, temperature=self.sp.temperature))
-    self._prepare = fp8jax.jit(functools.partial(sampler_lib.prepare_params, recipe=self.recipe))
+                                                  recipe=self.train_recipe, temperature=self.sp.temperature))
+    # The sampler's weights, requantized from the master params before every rollout (the "refit").
+    self._prepare = fp8jax.jit(functools.partial(sampler_lib.prepare_params, recipe=self.sample_recipe))
+    # The frozen KL reference is scored by the trainer, so it takes the trainer's form of the weights.
+    self._prepare_ref = self._prepare if self.train_recipe == self.sample_recipe else fp8jax.jit(
+        functools.partial(sampler_lib.prepare_params, recipe=self.train_recipe))
 
   def _ref_abstract(self):
     """ShapeDtypeStructs (with the mesh's shardings) of the KL reference: ``prepare_params`` of the master params."""
-    shapes = jax.eval_shape(self._prepare, self._param_shapes())
+    shapes = jax.eval_shape(self._prepare_ref, self._param_shapes())
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
                         sharding.tree_shardings(shapes, self.mesh))
 
   def take_reference(self):
     """Freezes the current policy as the KL reference (grpo.kl_beta > 0): run() does so when RL starts."""
     sh = jax.tree.map(lambda x: x.sharding, self._ref_abstract())
-    self.ref_params = jax.device_put(self._prepare(self.state.params), sh)
+    self.ref_params = jax.device_put(self._prepare_ref(self.state.params), sh)
 
   def _init_state(self) -> TrainState:
     if self.c.checkpoint.hf_dir:
@@ -422,7 +439,8 @@ class RLTrainer:
     return {"val_accuracy": float(np.mean(rewards)), "val_len": float(np.mean(ro.lengths))}
 
   def _kv_scales(self):
-    if self.recipe.kv_cache != "fp8":
+    """The sampler's FP8 KV scales (None with a BF16 cache)."""
+    if self.sample_recipe.kv_cache != "fp8":
       return None
     if self.kv_scales is None:  # before the first training step: calibrate on prompts with a BF16 cache prefill
       prompts, _ = self.task.train_prompts(self.gc.num_prompts, step=0)
@@ -451,7 +469,8 @@ class RLTrainer:
       prompts, answers = self.task.train_prompts(gc.num_prompts, step=self.prompt_batch)
       self.prompt_batch += 1
       t = time.perf_counter()
-      sp = dataclasses.replace(self.sp, seed=int(self.c.seed) * 100003 + step * 17 + attempt)
+      sp = dataclasses.replace(self.sp, seed=int(self.c.seed) * 100003 + step * 17 + attempt
+                               + self.rollout_seed * 1000003)
       ro = self.sampler.generate(sparams, prompts, sp, n=gc.num_generations, kv_scales=self._kv_scales())
       timing["rollout_s"] += time.perf_counter() - t
       stats = {k: stats.get(k, 0) + v for k, v in ro.stats.items()}
@@ -505,7 +524,9 @@ class RLTrainer:
     t_step = time.perf_counter()
     parts, rewards, rstats = self._rollout(step, timing)
     batch, info = self._build_batch(parts, rewards)
-    kv = self._kv_scales()
+    # The trainer fake-quantizes K/V like the rollout cache only when its own recipe has the FP8 KV cache (not in
+    # "fp8_rollout": there the BF16 trainer attends over unquantized K/V, as a two-engine setup does).
+    kv = self._kv_scales() if self.train_recipe.kv_cache == "fp8" else None
     metrics: dict[str, Any] = dict(info)
     t = time.perf_counter()
     tokens_j = jnp.asarray(batch["tokens"])
@@ -546,7 +567,7 @@ class RLTrainer:
     tm = {k: v for k, v in tm.items() if k != "params_finite_"}
     timing["train_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    if self.recipe.kv_cache == "fp8":  # next rollout's KV scales from this step's training-forward amax
+    if self.sample_recipe.kv_cache == "fp8":  # next rollout's KV scales from this step's training-forward amax
       margin = float(self.c.rollout.kv_scale_margin)
       self._set_kv_scales((kvcache.scales_from_amax(tm["k_amax_L"], margin),
                            kvcache.scales_from_amax(tm["v_amax_L"], margin)))
@@ -678,6 +699,8 @@ class RLTrainer:
     steps = self.total_steps if steps is None else int(steps)
     if steps < 0:
       raise ValueError(f"steps={steps} (--steps / train.steps) must be >= 0")
+    if not distributed.is_primary():  # process 0 holds the lock for the whole multi-process run
+      return self._run(steps, False)
     with WorkdirLock(self.workdir):
       return self._run(steps, progress)
 
@@ -690,7 +713,8 @@ class RLTrainer:
     # keep_through: rows of steps after the restored checkpoint were written by the interrupted run (rows <= start
     # are kept); a run from step 0 rewrites every row.
     writer = MetricsWriter(self.workdir, max(steps - start, 0) + (start == 0), progress=progress,
-                           keep_through=start if start else -1)  # + warm-start row
+                           keep_through=start if start else -1,  # + warm-start row
+                           enabled=distributed.is_primary())
     history = []
     try:
       if start == 0:
@@ -710,7 +734,8 @@ class RLTrainer:
         history.append(writer.write(step + 1, m))
     finally:
       writer.close()
-    plot(self.workdir)
+    if distributed.is_primary():
+      plot(self.workdir)
     return history
 
 

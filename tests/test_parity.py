@@ -1,0 +1,150 @@
+"""FP8 in generation only (fp8.mode='fp8_rollout'): the corrections' losses against their formulas, and the parity
+script end to end (scripts/parity.py --smoke)."""
+
+import fp8jax
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp8jax import sampler as sampler_lib
+from fp8jax.rl import parity
+from fp8jax.rl import trainer as trainer_lib
+from test_trainer import REPO, parity_reward, small_config  # noqa: F401  (parity_reward: a fixture)
+
+LO, HI = 0.995, 1.005  # tight IS bounds, so that the FP8-vs-BF16 gap (|dlp| ~ 0.006 on average) leaves tokens outside
+
+
+def _expected_weights(kind, train_lp, gen_lp):
+  """pi_train / pi_gen per token as fp8jax.rl.grpo documents each kind, written out again in NumPy."""
+  r = np.exp(train_lp.astype(np.float64) - gen_lp)
+  if kind == "none":
+    return np.ones_like(r)
+  if kind == "tis":
+    return np.clip(r, LO, HI)
+  assert kind == "icepop"
+  return np.where((r >= LO) & (r <= HI), r, 0.0)
+
+
+def test_recompute_and_is_corrections_change_the_loss_as_the_formulas_say(tmp_path, monkeypatch, parity_reward):
+  """One rollout, four ways to train on it (same weights, same tokens):
+
+  * the mode's default, old log-probs = the FP8 sampler's: ``loss = mean_t max(-A r, -A clip(r, 1-eps, 1+eps))``
+    with ``r = exp(train - gen)``, the BF16 trainer over the FP8 generator;
+  * ``recompute_old_logp`` with is_kind none / tis / icepop: old = the trainer's own log-probs, so in the first
+    minibatch the PPO ratio is 1 and ``loss = -sum_t w_t A / N_tok`` with ``w`` the kind's weight of ``r``.
+
+  The trainer's BF16 log-probs are recomputed here independently (``sampler.trainer_logprobs`` on the master
+  weights), the generator's come from the rollout, and the weights and losses are evaluated in NumPy.
+  """
+  c = small_config(**{"fp8.mode": "fp8_rollout", "grpo.is_lo": LO, "grpo.is_hi": HI})
+  tr = trainer_lib.RLTrainer(c, str(tmp_path))
+  tr.warmstart()
+  params0 = jax.tree.map(np.asarray, tr.state.params)
+  rollouts, batches = [], []
+  real_generate, real_step = tr.sampler.generate, tr._grpo_step
+  monkeypatch.setattr(tr.sampler, "generate", lambda *a, **kw: rollouts.append(real_generate(*a, **kw)) or
+                      rollouts[-1])
+  monkeypatch.setattr(tr, "_grpo_step", lambda state, mb: batches.append(jax.tree.map(np.asarray, mb)) or
+                      real_step(state, mb))
+  metrics = {}
+  for name, recompute, kind in (("sampler", False, "none"), ("none", True, "none"), ("tis", True, "tis"),
+                                ("icepop", True, "icepop")):
+    # The same starting point each time: the warm-started weights, a fresh optimizer, prompt batch 0, KV scales
+    # calibrated again. (is_kind and recompute_old_logp act on the host side of step(); the jitted loss reads
+    # neither, so replacing them on the trainer is enough.)
+    tr.gc = dataclasses.replace(tr.gc, recompute_old_logp=recompute, is_kind=kind)
+    tr.load_pretrained(params0)
+    tr.prompt_batch, tr.kv_scales = 0, None
+    metrics[name] = tr.step(0)
+  ro = rollouts[-1]
+  tokens, mask, gen_lp = ro.sequences(pad_id=tr.task.pad_id)
+  for other in rollouts[1:-1] + [rollouts[0]]:  # the same rollout every time
+    np.testing.assert_array_equal(other.tokens, ro.tokens)
+  assert len(batches) == 4  # one minibatch per step
+  adv_B = batches[0]["adv"]
+  lp = fp8jax.jit(lambda p, t: sampler_lib.trainer_logprobs(p, t, tr.cfg, tr.lcfg, tr.sp.temperature))
+  train_lp = np.asarray(lp(jax.tree.map(jnp.asarray, params0), jnp.asarray(tokens)))
+  on = mask > 0
+  n_tok = mask.sum()
+  adv = np.broadcast_to(adv_B[:, None], mask.shape)
+  assert np.any(adv[on] != 0)
+
+  # The default: the sampler's log-probs are the old policy; the trainer's current ones (= train_lp) are new.
+  np.testing.assert_array_equal(batches[0]["old_logp"][on], gen_lp[on])
+  assert "is_weights" not in batches[0]
+  r = np.exp(train_lp.astype(np.float64) - gen_lp)
+  eps_lo, eps_hi = tr.gc.eps_low, tr.gc.eps_high
+  pg = np.maximum(-adv * r, -adv * np.clip(r, 1 - eps_lo, 1 + eps_hi))
+  np.testing.assert_allclose(float(metrics["sampler"]["loss"]), pg[on].sum() / n_tok, rtol=0, atol=2e-5)
+
+  for i, kind in enumerate(("none", "tis", "icepop"), start=1):
+    b = batches[i]
+    # The recomputed old log-probs are the trainer's BF16 ones (up to FP32 reduction order over the batch).
+    np.testing.assert_allclose(b["old_logp"][on], train_lp[on], rtol=0, atol=1e-5)
+    w = _expected_weights(kind, b["old_logp"], gen_lp)
+    if kind == "none":
+      assert "is_weights" not in b
+    else:
+      np.testing.assert_allclose(b["is_weights"][on], w[on], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(float(metrics[kind]["loss"]), -(w * adv)[on].sum() / n_tok, rtol=0, atol=2e-5)
+    if kind != "none":
+      # Not vacuous: the FP8-vs-BF16 gap puts many trained tokens (with nonzero advantage) outside [LO, HI], where
+      # the kind's weight is not 1. (The loss differences themselves are sums of A (w - 1) of either sign.)
+      changed = np.mean((np.abs(w - 1) > 1e-3)[on & (adv != 0)])
+      assert changed > 0.05, (kind, changed)
+  r_tis = np.exp(batches[2]["old_logp"].astype(np.float64) - gen_lp)[on]  # the ratios the trainer bounded
+  oob = np.mean((r_tis < LO) | (r_tis > HI))
+  np.testing.assert_allclose(float(metrics["tis"]["is_is_oob_frac"]), oob, atol=1e-6)
+  for m in metrics.values():
+    assert float(m["token_mult_prob_error"]) > 1 + 1e-3
+
+
+def test_summaries_of_synthetic_runs():
+  rows = [{"step": 0, "val_accuracy": 0.5},
+          {"step": 1, "token_mult_prob_error": 1.01, "gen_kl_error": 1e-4, "step_s": 9.0},
+          {"step": 2, "token_mult_prob_error": 1.03, "gen_kl_error": 3e-4, "step_s": 1.0, "val_accuracy": 0.75},
+          {"step": 3, "token_mult_prob_error": 1.02, "gen_kl_error": 2e-4, "step_s": 2.0, "val_accuracy": 0.625}]
+  s = parity.summarize_run(rows)
+  assert (s["start_val_accuracy"], s["final_val_accuracy"], s["best_val_accuracy"]) == (0.5, 0.625, 0.75)
+  np.testing.assert_allclose([s["token_mult_prob_error"], s["gen_kl_error"], s["step_s_median"]], [1.02, 2e-4, 2.0])
+  arm = parity.summarize_arm([s, dict(s, final_val_accuracy=0.875)])
+  np.testing.assert_allclose([arm["final_val_accuracy"]["mean"], arm["final_val_accuracy"]["std"]],
+                             [0.75, np.std([0.625, 0.875], ddof=1)])
+  with pytest.raises(ValueError, match="--arms"):
+    parity.check_arms(["fp8", "fp4"])
+  with pytest.raises(KeyError, match="grpo.is_kindd"):
+    parity.override(small_config(), {"grpo.is_kindd": "tis"})
+
+
+def test_parity_smoke_runs_the_script_and_writes_json_and_png(tmp_path):
+  """scripts/parity.py --smoke, end to end (three of the arms, to keep CI short): one BF16 warm start, the arms from
+  it, the table, the JSON and the PNG."""
+  out = tmp_path / "parity.json"
+  cmd = [sys.executable, os.path.join(REPO, "scripts", "parity.py"), "--smoke", "--steps=2",
+         "--arms=bf16,fp8_rollout,fp8_rollout_tis", f"--workdir={tmp_path / 'runs'}", f"--out={out}"]
+  res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
+  assert res.returncode == 0, res.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert list(result["arms"]) == ["bf16", "fp8_rollout", "fp8_rollout_tis"]
+  for name, arm in result["arms"].items():
+    assert name in res.stdout
+    (run,) = arm["runs"]
+    assert [s for s, _ in run["val_curve"]] == [0, 1, 2]
+    # every arm starts from the one warm start: the BF16 arm validates it exactly as the warm start did (same
+    # weights, same sampler); the FP8 samplers' greedy answers may differ a little
+    tol = 0.0 if name == "bf16" else 0.25
+    assert abs(run["start_val_accuracy"] - result["warmstart"]["val_accuracy"]) <= tol
+    assert set(arm["summary"]) == set(parity.SUMMARY_KEYS)
+  mm = {n: a["summary"]["token_mult_prob_error"]["mean"] for n, a in result["arms"].items()}
+  assert mm["bf16"] <= 1 + 1e-5 and mm["fp8_rollout"] > 1 + 1e-4 and mm["fp8_rollout_tis"] > 1 + 1e-4, mm
+  png = tmp_path / "parity.png"
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert result["provenance"]["command"].startswith(cmd[1])
