@@ -53,9 +53,10 @@ def resolve_backend(requested: str, q, k) -> str:
                             prefix="attention:")
 
 
-def _scales(d: int, k_scale, v_scale):
-  """(qk_scale, v_scale) FP32 scalars: scores in log2 units, k_scale / sqrt(D) * log2(e) times the raw dot."""
-  c = jnp.float32(ref.LOG2E / math.sqrt(d))
+def _scales(d: int, k_scale, v_scale, sm_scale=None):
+  """(qk_scale, v_scale) FP32 scalars: scores in log2 units, k_scale * sm_scale * log2(e) times the raw dot, where
+  sm_scale is 1/sqrt(D) unless given."""
+  c = jnp.float32(ref.LOG2E / math.sqrt(d) if sm_scale is None else ref.LOG2E * sm_scale)
   qk = c if k_scale is None else jnp.asarray(k_scale, jnp.float32) * c
   return qk, jnp.float32(1.0) if v_scale is None else jnp.asarray(v_scale, jnp.float32)
 
@@ -109,13 +110,15 @@ def _per_device(fn, mesh, q, k, n_batched: int, n_replicated: int = 2):
 
 
 def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None, v_scale=None,
-           backend: str = "auto", mesh=None):
+           sm_scale: float | None = None, backend: str = "auto", mesh=None):
   """Causal GQA attention -> out_BxTxHxD in q's dtype (contract: ``pallas_kernels.attention``).
 
   positions_BxT=None: the training form, queries and keys are the same T positions 0..T-1 (differentiable in q, k,
   v). Otherwise the cache form (prefill T > 1, decode T = 1): query t of row b is at positions_BxT[b, t] and sees the
   cache entries 0..positions_BxT[b, t] (forward only). k/v: BF16 values or codes, or float8_e4m3fn codes (cache).
   ``mesh``: with the pallas backend on a multi-device mesh, each device attends its own sequences (and heads).
+  ``sm_scale``: the softmax scale (a Python float; default 1/sqrt(D)): MLA's absorbed form attends over
+  kv_lora_rank + qk_rope_head_dim dims but scales by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) (x YaRN's mscale^2).
   """
   b, t, h, d = q_BxTxHxD.shape
   if positions_BxT is None and k_BxSxKxD.shape[1] != t:
@@ -123,7 +126,7 @@ def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None,
                      f"{q_BxTxHxD.shape} and k {k_BxSxKxD.shape}; pass positions_BxT for a cache")
   pos = _positions(q_BxTxHxD) if positions_BxT is None else positions_BxT.astype(jnp.int32)
   ref.check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos)
-  qk_scale, vs = _scales(d, k_scale, v_scale)
+  qk_scale, vs = _scales(d, k_scale, v_scale, sm_scale)
   if resolve_backend(backend, q_BxTxHxD, k_BxSxKxD) == "xla":
     return ref.attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, qk_scale, vs)[0]
   kern = _kernels()

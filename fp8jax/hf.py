@@ -1,8 +1,10 @@
 """Hugging Face checkpoints in and out: config, safetensors weights, tokenizer; BF16 and block-FP8 export.
 
 Import (a local HF directory; nothing is downloaded):
-  ``load_config(dir) -> ModelConfig``    config.json of a LlamaForCausalLM (plain or "llama3" RoPE), Qwen3ForCausalLM or
-                                         Qwen3MoeForCausalLM (Qwen3-30B-A3B and the like).
+  ``load_config(dir) -> ModelConfig``    config.json of a LlamaForCausalLM (plain or "llama3" RoPE), Qwen3ForCausalLM,
+                                         Qwen3MoeForCausalLM (Qwen3-30B-A3B and the like) or DeepseekV3ForCausalLM
+                                         (Moonlight-16B-A3B, DeepSeek-V3: MLA, noaux_tc MoE, YaRN; model_type
+                                         "deepseek_v3"; its multi-token-prediction layers are skipped on load).
   ``load_params(dir, cfg, dtype=, shardings=)``  safetensors (single file or sharded through the index), read one
                                          tensor at a time and placed directly with its target sharding, so an 8B
                                          model never has two full copies in host memory. Block-FP8 checkpoints
@@ -54,7 +56,8 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                 "DeepseekV3ForCausalLM": "deepseek_v3"}
 # Files a tokenizer may consist of (copied verbatim on export when present).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "tokenizer.model", "added_tokens.json", "generation_config.json")
@@ -96,8 +99,9 @@ def _architecture(c: dict, path: str) -> str:
                           f"(fp8jax loads {sorted(ARCHITECTURES)})")
 
 
-def _rope(c: dict, path: str) -> tuple[float, tuple | None]:
-  """(rope_theta, ModelConfig.rope_scaling) from transformers-5 ``rope_parameters`` or legacy ``rope_scaling``."""
+def _rope(c: dict, path: str, yarn_ok: bool = False) -> tuple[float, tuple | None, tuple | None]:
+  """(rope_theta, ModelConfig.rope_scaling, ModelConfig.rope_yarn) from transformers-5 ``rope_parameters`` or
+  legacy ``rope_scaling``. YaRN only where ``yarn_ok`` (DeepSeek-V3: fp8jax applies its attention factor in MLA)."""
   if c.get("rope_parameters"):
     key, rp = "rope_parameters", dict(c["rope_parameters"])
   else:
@@ -105,16 +109,72 @@ def _rope(c: dict, path: str) -> tuple[float, tuple | None]:
   theta = float(rp.get("rope_theta", c.get("rope_theta", 10000.0)))
   rope_type = rp.get("rope_type", rp.get("type", "default"))
   if rope_type in ("default", None):
-    return theta, None
+    return theta, None, None
+  if rope_type == "yarn" and yarn_ok:
+    return theta, None, _yarn(rp, key, path)
   if rope_type != "llama3":
     raise HFCheckpointError(f"{path}: key '{key}.rope_type' = {rope_type!r} is not supported "
-                            f"(fp8jax supports 'default' and 'llama3')")
+                            f"(fp8jax supports 'default' and 'llama3'" + (", and 'yarn' for DeepSeek-V3)" if yarn_ok
+                                                                          else ")"))
   try:
     scaling = (float(rp["factor"]), float(rp["low_freq_factor"]), float(rp["high_freq_factor"]),
                int(rp["original_max_position_embeddings"]))
   except KeyError as e:
     raise HFCheckpointError(f"{path}: key '{key}.{e.args[0]}' is missing (needed by rope_type 'llama3')") from None
-  return theta, scaling
+  return theta, scaling, None
+
+
+def _yarn(rp: dict, key: str, path: str) -> tuple:
+  """ModelConfig.rope_yarn from an HF "yarn" rope dict (transformers' ``_compute_yarn_parameters`` keys)."""
+  for k in ("factor", "original_max_position_embeddings"):
+    if rp.get(k) is None:
+      raise HFCheckpointError(f"{path}: key '{key}.{k}' is missing (needed by rope_type 'yarn')")
+  if rp.get("attention_factor") is not None:
+    raise HFCheckpointError(f"{path}: key '{key}.attention_factor' = {rp['attention_factor']!r} is not supported "
+                            f"(fp8jax derives YaRN's attention factor from factor, mscale and mscale_all_dim)")
+  if rp.get("truncate", True) is not True:
+    raise HFCheckpointError(f"{path}: key '{key}.truncate' = {rp['truncate']!r} is not supported (fp8jax: true)")
+  if float(rp.get("partial_rotary_factor", 1.0)) != 1.0:
+    raise HFCheckpointError(f"{path}: key '{key}.partial_rotary_factor' = {rp['partial_rotary_factor']!r} is not "
+                            f"supported (fp8jax: 1.0)")
+  return (float(rp["factor"]), int(rp["original_max_position_embeddings"]), float(rp.get("beta_fast") or 32),
+          float(rp.get("beta_slow") or 1), float(rp.get("mscale") or 0.0), float(rp.get("mscale_all_dim") or 0.0))
+
+
+# transformers 5.17 DeepseekV3Config defaults, used where a config.json leaves a key out (as transformers does).
+_DEEPSEEK_V3_DEFAULTS = {"n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+                         "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                         "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+                         "first_k_dense_replace": 3, "norm_topk_prob": True, "rope_interleave": True,
+                         "moe_intermediate_size": 2048}
+# Keys of DeepSeek checkpoints' own config (modeling_deepseek.py) that transformers ignores; fp8jax implements one
+# value of each and refuses others rather than silently computing another model.
+_DEEPSEEK_V3_FIXED = (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid"), ("moe_layer_freq", 1))
+
+
+def _deepseek_v3(c: dict, path: str, n_layers: int) -> dict:
+  """The MLA and MoE fields of ModelConfig from a DeepseekV3 config.json."""
+  for key, ok in _DEEPSEEK_V3_FIXED:
+    if key in c and c[key] not in (ok, None):
+      raise HFCheckpointError(f"{path}: key '{key}' = {c[key]!r} is not supported (fp8jax implements {ok!r})")
+  g = lambda k: c[k] if c.get(k) is not None else _DEEPSEEK_V3_DEFAULTS[k]  # noqa: E731
+  n_exp = c.get("n_routed_experts", c.get("num_local_experts"))
+  nope, rope = int(g("qk_nope_head_dim")), int(g("qk_rope_head_dim"))
+  for key in ("n_group", "topk_group"):
+    if key in c and c[key] is None:
+      raise HFCheckpointError(f"{path}: key '{key}' = None is not supported (noaux_tc routing needs an integer)")
+  q_lora = c["q_lora_rank"] if "q_lora_rank" in c else _DEEPSEEK_V3_DEFAULTS["q_lora_rank"]  # null: no q LoRA
+  return dict(
+      head_dim=nope + rope, kv_lora_rank=int(g("kv_lora_rank")), q_lora_rank=int(q_lora or 0),
+      qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+      v_head_dim=int(g("v_head_dim")), rope_interleave=bool(g("rope_interleave")),
+      n_experts=int(n_exp if n_exp is not None else _DEEPSEEK_V3_DEFAULTS["n_routed_experts"]),
+      n_experts_per_tok=int(g("num_experts_per_tok")), moe_ffn_dim=int(g("moe_intermediate_size")),
+      norm_topk_prob=bool(g("norm_topk_prob")), moe_router="sigmoid", n_group=int(g("n_group")),
+      topk_group=int(g("topk_group")), routed_scaling_factor=float(g("routed_scaling_factor")),
+      n_shared_experts=int(g("n_shared_experts")),
+      # DeepseekV3DecoderLayer: layer i is MoE iff i >= first_k_dense_replace
+      mlp_only_layers=tuple(range(min(int(g("first_k_dense_replace")), n_layers))))
 
 
 def load_config(hf_dir: str, *, dtype: str = "bfloat16", max_seq_len: int | None = None) -> ModelConfig:
@@ -139,9 +199,12 @@ def load_config(hf_dir: str, *, dtype: str = "bfloat16", max_seq_len: int | None
 
   n_heads = int(need("num_attention_heads"))
   dim = int(need("hidden_size"))
-  theta, scaling = _rope(c, path)
   family = ARCHITECTURES[arch]
-  moe = {}
+  theta, scaling, yarn = _rope(c, path, yarn_ok=family == "deepseek_v3")
+  moe = {"rope_yarn": yarn} if yarn else {}
+  n_layers = int(need("num_hidden_layers"))
+  if family == "deepseek_v3":
+    moe.update(_deepseek_v3(c, path, n_layers))
   if family == "qwen3_moe":
     # transformers 5 writes the expert count as num_local_experts (num_experts is its alias); the Hub's num_experts.
     n_exp = c.get("num_experts", c.get("num_local_experts"))
@@ -155,8 +218,9 @@ def load_config(hf_dir: str, *, dtype: str = "bfloat16", max_seq_len: int | None
                mlp_only_layers=tuple(c.get("mlp_only_layers") or ()))
   try:
     return ModelConfig(
-        vocab_size=int(need("vocab_size")), dim=dim, n_layers=int(need("num_hidden_layers")), n_heads=n_heads,
-        n_kv_heads=int(c.get("num_key_value_heads") or n_heads), head_dim=int(c.get("head_dim") or dim // n_heads),
+        vocab_size=int(need("vocab_size")), dim=dim, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=int(c.get("num_key_value_heads") or n_heads),
+        **({} if family == "deepseek_v3" else {"head_dim": int(c.get("head_dim") or dim // n_heads)}),
         ffn_dim=int(need("intermediate_size")), norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta,
         rope_scaling=scaling, tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         qk_norm=family in ("qwen3", "qwen3_moe"),
@@ -166,6 +230,18 @@ def load_config(hf_dir: str, *, dtype: str = "bfloat16", max_seq_len: int | None
 
 
 def _hf_architecture(cfg: ModelConfig) -> str:
+  if cfg.is_mla:
+    k = len(cfg.mlp_only_layers)
+    if (not cfg.n_experts or cfg.moe_router != "sigmoid" or cfg.mlp_only_layers != tuple(range(k))
+        or cfg.decoder_sparse_step != 1):
+      raise HFCheckpointError(
+          f"export: an MLA model is a DeepseekV3ForCausalLM, which needs model.n_experts > 0, model.moe_router="
+          f"'sigmoid', model.mlp_only_layers = (0, .., k-1) (first_k_dense_replace) and model.decoder_sparse_step=1;"
+          f" got {cfg.n_experts}, {cfg.moe_router!r}, {cfg.mlp_only_layers}, {cfg.decoder_sparse_step}")
+    return "DeepseekV3ForCausalLM"
+  if cfg.moe_router != "softmax" or cfg.n_shared_experts:
+    raise HFCheckpointError("export: model.moe_router='sigmoid' / model.n_shared_experts without MLA has no HF "
+                            "architecture in fp8jax (DeepseekV3ForCausalLM has MLA)")
   if cfg.n_experts and not cfg.qk_norm:
     raise HFCheckpointError(f"export: model.n_experts={cfg.n_experts} with model.qk_norm=False has no HF "
                             f"architecture (Qwen3MoeForCausalLM always has q/k norms)")
@@ -175,8 +251,10 @@ def _hf_architecture(cfg: ModelConfig) -> str:
 def hf_config_dict(cfg: ModelConfig, *, extra: dict | None = None) -> dict:
   """ModelConfig -> an HF config.json dict (LlamaForCausalLM, Qwen3ForCausalLM when cfg.qk_norm, or
   Qwen3MoeForCausalLM when cfg.n_experts)."""
-  qwen, moe = cfg.qk_norm, cfg.n_experts > 0
   arch = _hf_architecture(cfg)
+  if arch == "DeepseekV3ForCausalLM":
+    return {**_deepseek_v3_config_dict(cfg), **(extra or {})}
+  qwen, moe = cfg.qk_norm, cfg.n_experts > 0
   rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
   legacy_scaling = None
   if cfg.rope_scaling is not None:
@@ -209,6 +287,32 @@ def hf_config_dict(cfg: ModelConfig, *, extra: dict | None = None) -> dict:
   return d
 
 
+def _deepseek_v3_config_dict(cfg: ModelConfig) -> dict:
+  rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+  if cfg.rope_yarn is not None:
+    f, ctx, fast, slow, ms, ms_all = cfg.rope_yarn
+    rope = {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": f, "original_max_position_embeddings": ctx,
+            "beta_fast": fast, "beta_slow": slow, "mscale": ms, "mscale_all_dim": ms_all}
+  return {
+      "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "moe_intermediate_size": cfg.moe_ffn_dim,
+      "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+      "n_shared_experts": cfg.n_shared_experts, "n_routed_experts": cfg.n_experts,
+      "routed_scaling_factor": cfg.routed_scaling_factor, "kv_lora_rank": cfg.kv_lora_rank,
+      "q_lora_rank": cfg.q_lora_rank or None, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+      "v_head_dim": cfg.v_head_dim, "qk_nope_head_dim": cfg.qk_nope_head_dim, "head_dim": cfg.qk_rope_head_dim,
+      "n_group": cfg.n_group, "topk_group": cfg.topk_group, "num_experts_per_tok": cfg.n_experts_per_tok,
+      "first_k_dense_replace": len(cfg.mlp_only_layers), "norm_topk_prob": cfg.norm_topk_prob,
+      "topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1, "num_nextn_predict_layers": 0,
+      "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+      "tie_word_embeddings": cfg.tie_embeddings, "rope_interleave": cfg.rope_interleave, "attention_bias": False,
+      # transformers >= 5 reads rope_parameters; older transformers and serving engines the legacy keys
+      "rope_parameters": rope, "rope_theta": cfg.rope_theta,
+      "rope_scaling": None if cfg.rope_yarn is None else {k: v for k, v in rope.items() if k != "rope_theta"},
+      "dtype": "bfloat16", "torch_dtype": "bfloat16", "use_cache": True,
+  }
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Weights in
 # ------------------------------------------------------------------------------------------------------------------
@@ -225,7 +329,7 @@ def hf_param_names(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
 
   def add(path: str, prefix: str, row: schema.Param):
     for e, (mod, shape) in enumerate(row.hf_tensors(cfg)):
-      out[f"{path}/{e}" if row.stacked else path] = (f"{prefix}{mod}.weight", shape)
+      out[f"{path}/{e}" if row.stacked else path] = (f"{prefix}{mod}.{row.tensor}", shape)
 
   top = {p.key: p for p in schema.TOP if p.present(cfg, None)}
   add("embed", "", top.pop("embed"))
@@ -420,6 +524,7 @@ def load_params(hf_dir: str, cfg: ModelConfig, *, dtype=jnp.float32,
   if cfg.tie_embeddings and "lm_head.weight" in found:
     skipped.add("lm_head.weight")  # tied: the head is the embedding; some exporters write both
     log.warning("%s: 'lm_head.weight' ignored because tie_word_embeddings is true", found["lm_head.weight"][0])
+  skipped |= _mtp_tensors(hf_dir, cfg, found)
   _check_experts(cfg, found, listing, os.path.join(hf_dir, CONFIG_FILE))
   for path, (hf, _) in wanted.items():
     if hf not in found:
@@ -487,6 +592,20 @@ def load_params(hf_dir: str, cfg: ModelConfig, *, dtype=jnp.float32,
   params["layers"] = [{name: leaves[f"layers/{i}/{name}"] for name in layer}
                       for i, layer in enumerate(llama.param_shapes(cfg)["layers"])]
   return params
+
+
+def _mtp_tensors(hf_dir: str, cfg: ModelConfig, found: dict) -> set[str]:
+  """DeepSeek-V3 checkpoints append ``num_nextn_predict_layers`` multi-token-prediction layers after the decoder
+  (model.layers.61 of DeepSeek-V3); transformers' DeepseekV3ForCausalLM does not build them and neither does fp8jax."""
+  path = os.path.join(hf_dir, CONFIG_FILE)
+  c = _read_json(path) if os.path.isfile(path) else {}
+  n = int(c.get("num_nextn_predict_layers") or 0) if c.get("model_type") == "deepseek_v3" else 0
+  prefixes = tuple(f"model.layers.{j}." for j in range(cfg.n_layers, cfg.n_layers + n))
+  mtp = {k for k in found if k.startswith(prefixes)} if prefixes else set()
+  if mtp:
+    log.warning("%s: %d tensors of the %d multi-token-prediction layer(s) (model.layers.%d..) ignored", path, len(mtp),
+                n, cfg.n_layers)
+  return mtp
 
 
 def _check_experts(cfg: ModelConfig, found: dict, listing: str, config_path: str):
@@ -676,11 +795,12 @@ def _out(name: str, x, expert: int | None, dtype) -> _Out:
 
 
 def _param_items(params: dict, cfg: ModelConfig):
-  """(leaf path, HF module name, leaf, expert index or None) in HF order; a stacked leaf gives one item per
-  expert (the whole leaf each time: ``_out`` cuts it)."""
+  """(leaf path, HF module name, leaf, expert index or None, schema row) in HF order; a stacked leaf gives one item
+  per expert (the whole leaf each time: ``_out`` cuts it). The tensor is ``f"{module}.{row.tensor}"``."""
   for path, (hf, _) in hf_param_names(cfg).items():
-    leaf_path, _, expert = _parts(path)
-    yield leaf_path, hf[:-len(".weight")], _leaf(params, leaf_path), expert
+    leaf_path, key, expert = _parts(path)
+    row = schema.BY_KEY[key]
+    yield leaf_path, hf[:-len("." + row.tensor)], _leaf(params, leaf_path), expert, row
 
 
 def _write_safetensors(out_dir: str, tensors: list[_Out], max_shard_bytes: int):
@@ -755,7 +875,8 @@ def export_bf16(params: dict, cfg: ModelConfig, out_dir: str, tokenizer_dir: str
   os.makedirs(out_dir, exist_ok=True)
   ids = _copy_tokenizer_and_ids(tokenizer_dir, out_dir)
   config = hf_config_dict(cfg, extra=ids)
-  tensors = [_out(mod + ".weight", w, e, jnp.bfloat16) for _, mod, w, e in _param_items(params, cfg)]
+  tensors = [_out(f"{mod}.{row.tensor}", w, e, jnp.dtype(row.hf_dtype))
+             for _, mod, w, e, row in _param_items(params, cfg)]
   _write_safetensors(out_dir, tensors, max_shard_bytes)
   _write_config(out_dir, config)
 
@@ -796,8 +917,7 @@ def export_fp8(params: dict, cfg: ModelConfig, recipe: quant.Recipe, out_dir: st
   os.makedirs(out_dir, exist_ok=True)
   ids = _copy_tokenizer_and_ids(tokenizer_dir, out_dir)
   tensors, not_converted, ragged = [], [], []
-  for (path, mod, w, e), (_, _, master, _) in zip(_param_items(qparams, cfg), _param_items(params, cfg)):
-    row = schema.BY_KEY[_parts(path)[1]]
+  for (path, mod, w, e, row), (_, _, master, _, _) in zip(_param_items(qparams, cfg), _param_items(params, cfg)):
     if isinstance(w, quant.QWeight) and not as_fp8(w):
       if e is None:
         ragged.append(f"{mod} {tuple(w.q.shape)}")
@@ -809,9 +929,9 @@ def export_fp8(params: dict, cfg: ModelConfig, recipe: quant.Recipe, out_dir: st
       tensors.append(_out(mod + ".weight_scale_inv", w.scale, e, jnp.float32))
     else:
       kept = mod if not row.stacked else f"model.layers.{path.split('/')[1]}.{row.hf_stack}"
-      if row.linear and kept not in not_converted:  # a linear kept BF16 (lm_head included)
+      if row.is_hf_linear and kept not in not_converted:  # a linear kept BF16 (lm_head, MLA's kv_b included)
         not_converted.append(kept)
-      tensors.append(_out(mod + ".weight", w, e, jnp.bfloat16))
+      tensors.append(_out(f"{mod}.{row.tensor}", w, e, jnp.dtype(row.hf_dtype)))
   if ragged:
     log.warning("export_fp8: %d weights have a dimension that is not a multiple of %d and are written in BF16 "
                 "(transformers misreads ragged scale grids; ragged_fp8=True keeps them FP8): %s", len(ragged),

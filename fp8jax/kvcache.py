@@ -6,6 +6,10 @@ The length is the requested ``max_len`` rounded up to the attention op's key blo
 kernels, 16 for the CPU reference), so attention reads whole blocks without a padded copy of the cache; the sampler
 still stops sequences at its max_len.
 
+MLA (``fp8jax.model.mla``): one latent per token and layer, (slots, length, 1, kv_lora_rank + qk_rope_head_dim) in
+``k``, and no ``v`` (an empty list): the absorbed attention reads the latent as keys and its first kv_lora_rank dims
+as values. An FP8 latent cache has one scale per layer (``k_scale_L``), applied to the scores and the output.
+
 FP8 cache: one FP32 scale per layer for K and one for V (per-tensor, as vLLM's FP8 KV cache). On write the values
 are quantized with ``quantize_kv``; attention reads the E4M3 codes (upcast exactly to BF16) and multiplies the
 FP32 scores / outputs by the per-layer scale after the dots. When the rollout uses an FP8 cache, the training forward
@@ -33,7 +37,7 @@ from pallas_kernels.attention import key_block
 @dataclasses.dataclass(frozen=True)
 class KVCache:
   k: list  # per layer (B, S, Hkv, hd), bf16 or float8_e4m3fn
-  v: list
+  v: list  # the same, or [] for an MLA latent cache
   k_scale_L: jax.Array  # (L,) FP32; ones for a BF16 cache
   v_scale_L: jax.Array
 
@@ -57,16 +61,19 @@ def padded_len(max_len: int) -> int:
   return -(-max_len // block) * block
 
 
-def cache_bytes(n_layers: int, slots: int, max_len: int, n_kv_heads: int, head_dim: int, fp8: bool) -> int:
-  return 2 * n_layers * slots * padded_len(max_len) * n_kv_heads * head_dim * (1 if fp8 else 2)
+def cache_bytes(n_layers: int, slots: int, max_len: int, n_kv_heads: int, head_dim: int, fp8: bool,
+                values: bool = True) -> int:
+  return (1 + values) * n_layers * slots * padded_len(max_len) * n_kv_heads * head_dim * (1 if fp8 else 2)
 
 
 def init_cache(n_layers: int, slots: int, max_len: int, n_kv_heads: int, head_dim: int, *, fp8: bool,
-               k_scale_L=None, v_scale_L=None, dtype=jnp.bfloat16) -> KVCache:
+               k_scale_L=None, v_scale_L=None, dtype=jnp.bfloat16, values: bool = True) -> KVCache:
+  """``values=False``: keys only (MLA's latent cache, ``ModelConfig.kv_cache_layout``)."""
   dt = quant.FP8_DTYPE if fp8 else dtype
   shape = (slots, padded_len(max_len), n_kv_heads, head_dim)
   ones = jnp.ones((n_layers,), jnp.float32)
-  return KVCache(k=[jnp.zeros(shape, dt) for _ in range(n_layers)], v=[jnp.zeros(shape, dt) for _ in range(n_layers)],
+  return KVCache(k=[jnp.zeros(shape, dt) for _ in range(n_layers)],
+                 v=[jnp.zeros(shape, dt) for _ in range(n_layers if values else 0)],
                  k_scale_L=ones if k_scale_L is None else jnp.array(k_scale_L, jnp.float32, copy=True),
                  v_scale_L=ones if v_scale_L is None else jnp.array(v_scale_L, jnp.float32, copy=True))
 

@@ -27,7 +27,7 @@ import numpy as np
 import fp8jax
 from fp8jax import kvcache as kvc
 from fp8jax import ops, quant, sampler
-from fp8jax.model import ModelConfig, head, init_params, llama
+from fp8jax.model import ModelConfig, gqa, head, init_params, llama, mla
 from fp8jax.rl import grpo
 
 
@@ -90,16 +90,18 @@ def _spy(name, fn, pick):
 @contextlib.contextmanager
 def _spies():
   """Wrap the blocks ``llama.decoder_layer`` calls (module attributes, looked up at trace time); restored after."""
-  names = {"rms_norm": ("norm", None), "attention": ("attention", lambda out: out[0]), "mlp": ("mlp", None),
-           "decoder_layer": ("residual", lambda out: out[0])}
-  saved = {n: getattr(llama, n) for n in names}
+  first = lambda out: out[0]  # noqa: E731
+  targets = [(llama, "rms_norm", "norm", None), (gqa, "attention", "attention", first),
+             (mla, "attention", "attention", first), (llama, "mlp", "mlp", None),
+             (llama, "decoder_layer", "residual", first)]
+  saved = [(mod, n, getattr(mod, n)) for mod, n, _, _ in targets]
   try:
-    for n, (label, pick) in names.items():
-      setattr(llama, n, _spy(label, saved[n], pick or (lambda out: out)))
+    for (mod, n, label, pick), (_, _, fn) in zip(targets, saved):
+      setattr(mod, n, _spy(label, fn, pick or (lambda out: out)))
     yield
   finally:
-    for n, fn in saved.items():
-      setattr(llama, n, fn)
+    for mod, n, fn in saved:
+      setattr(mod, n, fn)
 
 
 def _captured(fn, labels: list[str]):
@@ -141,7 +143,8 @@ def _block_divergence(cfg, recipe, rows, length, seed):
   train_cap = dict(zip(train_labels, train_cap), **{"head log-prob": train_lp})
 
   samp_params = sampler.prepare_params(master, recipe)
-  cache = kvc.init_cache(cfg.n_layers, rows, kvc.padded_len(length), cfg.n_kv_heads, cfg.head_dim,
+  heads, head_dim, values = cfg.kv_cache_layout
+  cache = kvc.init_cache(cfg.n_layers, rows, kvc.padded_len(length), heads, head_dim, values=values,
                          fp8=recipe.kv_cache == "fp8", k_scale_L=None if kv_scales is None else kv_scales[0],
                          v_scale_L=None if kv_scales is None else kv_scales[1])
   prompt = length // 2

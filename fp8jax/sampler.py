@@ -159,13 +159,22 @@ class Sampler:
     if sampler_cfg.max_len > model_cfg.max_seq_len:
       raise ValueError(f"rollout.max_len={sampler_cfg.max_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
 
+  def _init_cache(self, slots: int, length: int, fp8: bool, k_scale_L=None, v_scale_L=None) -> kvc.KVCache:
+    heads, head_dim, values = self.cfg.kv_cache_layout  # GQA K and V, or MLA's latent
+    return kvc.init_cache(self.cfg.n_layers, slots, length, heads, head_dim, fp8=fp8, k_scale_L=k_scale_L,
+                          v_scale_L=v_scale_L, values=values)
+
+  def _cache_bytes(self, slots: int, length: int, fp8: bool) -> int:
+    heads, head_dim, values = self.cfg.kv_cache_layout
+    return kvc.cache_bytes(self.cfg.n_layers, slots, length, heads, head_dim, fp8, values)
+
   # -- jitted pieces ------------------------------------------------------------------------------------------------
 
   @functools.partial(fp8jax.jit, static_argnums=(0,))
   def _prefill(self, params, tokens_PxT, k_scale_L, v_scale_L):
     c = self.cfg
-    cache = kvc.init_cache(c.n_layers, tokens_PxT.shape[0], tokens_PxT.shape[1], c.n_kv_heads, c.head_dim,
-                           fp8=self.scfg.kv_cache == "fp8", k_scale_L=k_scale_L, v_scale_L=v_scale_L)
+    cache = self._init_cache(tokens_PxT.shape[0], tokens_PxT.shape[1], self.scfg.kv_cache == "fp8", k_scale_L,
+                             v_scale_L)
     pos = jnp.broadcast_to(jnp.arange(tokens_PxT.shape[1], dtype=jnp.int32), tokens_PxT.shape)
     _, cache, aux = llama.forward(params, tokens_PxT, c, self.lcfg, positions_BxT=pos, cache=cache)
     return cache, aux
@@ -226,10 +235,9 @@ class Sampler:
   # -- driver -------------------------------------------------------------------------------------------------------
 
   def _check_memory(self, n_prompts: int, bucket: int):
-    c, s = self.cfg, self.scfg
+    s = self.scfg
     fp8 = s.kv_cache == "fp8"
-    need = (kvc.cache_bytes(c.n_layers, s.slots, s.max_len, c.n_kv_heads, c.head_dim, fp8)
-            + kvc.cache_bytes(c.n_layers, n_prompts, bucket, c.n_kv_heads, c.head_dim, fp8))
+    need = self._cache_bytes(s.slots, s.max_len, fp8) + self._cache_bytes(n_prompts, bucket, fp8)
     dev = jax.local_devices()[0]  # this process's own (memory_stats of another host's device cannot be read)
     stats = dev.memory_stats() or {}
     if "bytes_limit" in stats:
@@ -245,7 +253,7 @@ class Sampler:
   def _calibration_amax(self, params, tokens_PxT):
     c = self.cfg
     pos = jnp.broadcast_to(jnp.arange(tokens_PxT.shape[1], dtype=jnp.int32), tokens_PxT.shape)
-    cache = kvc.init_cache(c.n_layers, tokens_PxT.shape[0], tokens_PxT.shape[1], c.n_kv_heads, c.head_dim, fp8=False)
+    cache = self._init_cache(tokens_PxT.shape[0], tokens_PxT.shape[1], False)
     _, _, aux = llama.forward(params, tokens_PxT, c, self.lcfg, positions_BxT=pos, cache=cache)
     return aux.k_amax_L, aux.v_amax_L
 
@@ -289,8 +297,7 @@ class Sampler:
     t_prefill = time.perf_counter() - t0
 
     state = _State(
-        cache=kvc.init_cache(c.n_layers, s.slots, s.max_len, c.n_kv_heads, c.head_dim, fp8=fp8, k_scale_L=ks,
-                             v_scale_L=vs),
+        cache=self._init_cache(s.slots, s.max_len, fp8, ks, vs),
         slot_req=jnp.full((s.slots,), -1, jnp.int32), slot_pos=jnp.zeros((s.slots,), jnp.int32),
         slot_tok=jnp.zeros((s.slots,), jnp.int32), slot_gen=jnp.zeros((s.slots,), jnp.int32),
         out_tok=jnp.zeros((r, sp.max_new_tokens), jnp.int32), out_lp=jnp.zeros((r, sp.max_new_tokens), jnp.float32),

@@ -75,9 +75,12 @@ _rms_norm_kernel.defvjp(_rms_norm_kernel_fwd, _rms_norm_kernel_bwd)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-  """RoPE inverse frequencies, with Llama-3 scaling (HF rope_type "llama3") when cfg.rope_scaling is set."""
-  hd = cfg.head_dim
+  """RoPE inverse frequencies over ``cfg.rope_dim``, with Llama-3 scaling (HF rope_type "llama3") when
+  cfg.rope_scaling is set, or YaRN (HF rope_type "yarn") when cfg.rope_yarn is."""
+  hd = cfg.rope_dim
   inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+  if cfg.rope_yarn is not None:
+    return _yarn_inv_freq(inv, hd, cfg.rope_theta, cfg.rope_yarn)
   if cfg.rope_scaling is None:
     return inv
   factor, low, high, old_ctx = cfg.rope_scaling
@@ -90,10 +93,54 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
   return jnp.where(medium, smoothed, scaled)
 
 
-def apply_rope(x_BxTxHxD, positions_BxT, inv_freq):
-  """Rotate-half RoPE (the HF convention: first and second halves of head_dim form the pairs)."""
+def _yarn_inv_freq(inv, dim: int, theta: float, yarn) -> jax.Array:
+  """YaRN (Peng et al. 2023, sec. 3.2 "NTK-by-parts"), as transformers' ``_compute_yarn_parameters`` defines it:
+  frequencies rotating fewer than ``beta_slow`` times over the original context are interpolated (divided by
+  ``factor``), more than ``beta_fast`` times kept, a linear ramp between (over the truncated correction range)."""
+  factor, old_ctx, beta_fast, beta_slow = yarn[:4]
+
+  def correction_dim(rotations):  # the dim index whose wavelength fits ``rotations`` times into old_ctx
+    return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+  low = max(math.floor(correction_dim(beta_fast)), 0)
+  high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+  high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
+  ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+  keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate
+  return (inv / factor) * (1 - keep) + inv * keep
+
+
+def yarn_mscale(scale: float, mscale: float) -> float:
+  """YaRN's attention temperature term 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1; DeepSeek-V2 sec. 2.1.3)."""
+  return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+  """The factor transformers multiplies cos and sin by (its YaRN ``attention_factor``): with both ``mscale`` and
+  ``mscale_all_dim`` set, mscale(factor, mscale) / mscale(factor, mscale_all_dim) (1.0 for DeepSeek-V3, where they
+  are equal), else mscale(factor, 1); 1 without YaRN."""
+  if cfg.rope_yarn is None:
+    return 1.0
+  factor, _, _, _, mscale, mscale_all_dim = cfg.rope_yarn
+  if mscale and mscale_all_dim:
+    return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+  return yarn_mscale(factor, 1.0)
+
+
+def apply_rope(x_BxTxHxD, positions_BxT, inv_freq, *, interleaved: bool = False, scale: float = 1.0):
+  """Rotate-half RoPE (the HF convention: first and second halves of head_dim form the pairs).
+
+  ``interleaved`` (DeepSeek, transformers' ``apply_rotary_pos_emb_interleave``): the pairs are adjacent dims
+  (2i, 2i+1); they are gathered into halves first ([even dims, odd dims]) and rotated as above, so the output is in
+  the rotate-half layout, as transformers' is. q and k get the same permutation, so their dot is unchanged.
+  ``scale``: multiplies cos and sin before their cast (YaRN's attention factor, ``rope_attention_factor``)."""
+  if interleaved:
+    x_BxTxHxD = jnp.concatenate([x_BxTxHxD[..., 0::2], x_BxTxHxD[..., 1::2]], axis=-1)
   ang = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # (B, T, hd/2)
   emb = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(emb).astype(x_BxTxHxD.dtype), jnp.sin(emb).astype(x_BxTxHxD.dtype)
+  cos, sin = jnp.cos(emb), jnp.sin(emb)
+  if scale != 1.0:
+    cos, sin = cos * jnp.float32(scale), sin * jnp.float32(scale)
+  cos, sin = cos.astype(x_BxTxHxD.dtype), sin.astype(x_BxTxHxD.dtype)
   x1, x2 = jnp.split(x_BxTxHxD, 2, axis=-1)
   return x_BxTxHxD * cos + jnp.concatenate([-x2, x1], axis=-1) * sin

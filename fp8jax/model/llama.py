@@ -1,4 +1,4 @@
-"""The model function: a Llama-3.x / Qwen3-dense decoder as pure functions over a params pytree.
+"""The model function: a Llama-3.x / Qwen3 / DeepSeek-V3 decoder as pure functions over a params pytree.
 
 One ``forward`` serves training and sampling:
   * training: ``forward(params, tokens_BxT, cfg)`` — full causal sequence, positions 0..T-1, no cache;
@@ -9,7 +9,8 @@ sampler computes for a token are the trainer's logits for that token (same GEMMs
 
 Params (master weights FP32; linear weights stored (out, in)): embed, a list of layers, final_norm, lm_head unless
 tied, as ``fp8jax.model.schema`` lists them (the one table of keys, shapes, shardings and HF names). The blocks are
-in their own files: ``gqa`` (attention), ``mlp`` (dense SwiGLU), ``layers`` (RMSNorm, RoPE).
+in their own files: ``gqa`` (attention), ``mla`` (multi-head latent attention), ``mlp`` (dense SwiGLU), ``moe``
+(Qwen3-MoE and DeepSeek-V3 MoE), ``layers`` (RMSNorm, RoPE).
 A layer list (not a stacked scan) lets the FP8 recipe keep any layer in BF16 without changing the code path.
 Linear weights may be plain arrays (BF16 mode), ``FP8Weight`` (training) or ``QWeight`` (sampling): see fp8jax.ops.
 """
@@ -27,7 +28,7 @@ from fp8jax import kvcache as kvc
 from fp8jax import ops
 from fp8jax.model import head, schema
 from fp8jax.model.config import ModelConfig
-from fp8jax.model.gqa import attention
+from fp8jax.model import gqa, mla
 from fp8jax.model.layers import rms_norm, rope_inv_freq
 from fp8jax.model.mlp import mlp
 from fp8jax.model.moe import RouterStats, moe
@@ -49,9 +50,10 @@ def decoder_layer(p, x, positions_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig,
                   kv_scales, own_positions: bool = False, router_mask_BxT=None):
   """One pre-norm decoder layer -> (x + attn + mlp, new cache layer or None, (amax K, amax V), RouterStats or None).
 
-  The MLP is the dense SwiGLU or, in MoE layers (``cfg.is_moe_layer``), the Qwen3-MoE block.
+  The MLP is the dense SwiGLU or, in MoE layers (``cfg.is_moe_layer``), the MoE block (``moe``).
   ``lcfg.out_dtype`` must already be the activation dtype (``forward`` sets it)."""
   hn = rms_norm(x, p["attn_norm"], cfg.norm_eps, cfg.norm_backend, lcfg.mesh)
+  attention = mla.attention if cfg.is_mla else gqa.attention
   h, new_layer, amax = attention(p, hn, positions_BxT, cfg, lcfg, inv_freq, layer=layer, cache=cache,
                                  kv_scales=kv_scales, own_positions=own_positions)
   x = x + h
@@ -98,7 +100,8 @@ def forward(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.L
       router.append(stats)
     if new_layer is not None:
       new_k.append(new_layer[0])
-      new_v.append(new_layer[1])
+      if new_layer[1] is not None:  # an MLA cache holds the latent only (k), no v
+        new_v.append(new_layer[1])
   x = rms_norm(x, params["final_norm"], cfg.norm_eps, cfg.norm_backend, lcfg.mesh)
   new_cache = None if cache is None else dataclasses.replace(cache, k=new_k, v=new_v)
   return x, new_cache, ForwardAux(jnp.stack(k_amax), jnp.stack(v_amax), tuple(router))
@@ -134,8 +137,8 @@ param_shapes = schema.param_shapes
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, std: float = 0.02) -> dict:
-  """Deterministic init, each leaf as its schema row says: ones (norms), N(0, std), or N(0, std / sqrt(2 L)) for the
-  projections that write into the residual stream.
+  """Deterministic init, each leaf as its schema row says: ones (norms), zeros (DeepSeek's router bias), N(0, std),
+  or N(0, std / sqrt(2 L)) for the projections that write into the residual stream.
 
   Leaf by leaf (one small jit per shape), so 8B-sized random weights compile in seconds.
   """
@@ -145,8 +148,8 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, std: float =
   out = []
   for i, (path, shape) in enumerate(leaves):
     kind = schema.BY_KEY[path[-1].key].init
-    if kind == "ones":
-      out.append(jnp.ones(shape, dtype))
+    if kind in ("ones", "zeros"):
+      out.append((jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype))
     else:
       s = std / math.sqrt(2 * cfg.n_layers) if kind == "normal_residual" else std
       out.append(_normal(jax.random.fold_in(key, i), shape, jnp.dtype(dtype), s))

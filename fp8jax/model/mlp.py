@@ -9,7 +9,9 @@ from fp8jax import ops
 from fp8jax.model.schema import PARALLEL
 
 
-def mlp(p, x, lcfg):
-  gate = ops.linear(x, p["w_gate"], lcfg, PARALLEL["w_gate"])
-  up = ops.linear(x, p["w_up"], lcfg, PARALLEL["w_up"])
-  return ops.linear(jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up, p["w_down"], lcfg, PARALLEL["w_down"])
+def mlp(p, x, lcfg, prefix: str = "w_"):
+  """``prefix``: "w_" (w_gate, w_up, w_down: a dense layer) or "shared_" (DeepSeek-V3's shared experts)."""
+  gate, up, down = prefix + "gate", prefix + "up", prefix + "down"
+  g = ops.linear(x, p[gate], lcfg, PARALLEL[gate])
+  u = ops.linear(x, p[up], lcfg, PARALLEL[up])
+  return ops.linear(jax.nn.silu(g.astype(jnp.float32)).astype(x.dtype) * u, p[down], lcfg, PARALLEL[down])

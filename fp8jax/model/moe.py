@@ -1,4 +1,5 @@
-"""The Qwen3-MoE block (transformers' Qwen3MoeSparseMoeBlock): a BF16 router and block-FP8 SwiGLU experts.
+"""The MoE blocks: Qwen3-MoE (transformers' Qwen3MoeSparseMoeBlock) and DeepSeek-V3 (DeepseekV3MoE): a BF16/FP32
+router and block-FP8 SwiGLU experts.
 
 Per token: router logits ``x . router^T`` (a BF16 GEMM: the router is not a recipe linear, so it is never
 quantized), probabilities ``softmax`` in FP32 over all experts, the ``k`` largest (``lax.top_k``), renormalized
@@ -11,6 +12,14 @@ combine has no scatter-add (deterministic on every backend) and no reduce over t
 the product in BF16) the decode step's rows came out one BF16 ulp off the training rows on CPU, the compiled
 combine differing with the shape. transformers multiplies in BF16 and adds into a BF16 buffer expert by expert
 instead; the two differ by BF16 rounding only (tests/test_moe.py).
+
+DeepSeek-V3 (``cfg.moe_router == "sigmoid"``, transformers' DeepseekV3TopkRouter, ``noaux_tc``): the router's
+logits are FP32 (BF16 operands, FP32 output), scores = sigmoid(logits); the choice adds the correction bias
+(``router_bias``, FP32, no gradient: DeepSeek updates it by a load rule, not by the loss); with ``n_group > 1`` only
+the ``topk_group`` groups whose two best biased scores sum highest stay eligible; the k best eligible experts are
+chosen; their *unbiased* scores, renormalized when ``norm_topk_prob`` (sum + 1e-20), times
+``routed_scaling_factor``, are the FP32 weights. The shared experts (a SwiGLU MLP every token passes) are added to
+the routed output in the activation dtype, as transformers does.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import jax.numpy as jnp
 
 from fp8jax import ops
 from fp8jax.model.config import ModelConfig
+from fp8jax.model.mlp import mlp
 
 
 @jax.tree_util.register_dataclass
@@ -36,13 +46,35 @@ class RouterStats:
 
 
 def route(p, x_MxD, cfg: ModelConfig, lcfg: ops.LinearConfig):
-  """(weights (M, k) in x's dtype, expert ids (M, k) int32, probabilities (M, E) FP32)."""
+  """(weights (M, k) in x's dtype (FP32 for the sigmoid router), expert ids (M, k) int32, probabilities (M, E)
+  FP32: the softmax, or the sigmoid scores normalized to sum 1, for the statistics)."""
+  if cfg.moe_router == "sigmoid":
+    return _route_sigmoid(p, x_MxD, cfg, lcfg)
   logits = ops.linear(x_MxD, p["router"], lcfg)
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
   top_p, top_i = jax.lax.top_k(probs, cfg.n_experts_per_tok)
   if cfg.norm_topk_prob:
     top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
   return top_p.astype(x_MxD.dtype), top_i.astype(jnp.int32), probs
+
+
+def _route_sigmoid(p, x_MxD, cfg: ModelConfig, lcfg: ops.LinearConfig):
+  logits = ops.linear(x_MxD, p["router"], dataclasses.replace(lcfg, out_dtype="float32"))
+  scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+  choice = scores + jax.lax.stop_gradient(p["router_bias"]).astype(jnp.float32)
+  if cfg.n_group > 1:
+    m, per = choice.shape[0], cfg.n_experts // cfg.n_group
+    grouped = choice.reshape(m, cfg.n_group, per)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # (M, G)
+    _, best = jax.lax.top_k(group_scores, cfg.topk_group)
+    keep = jnp.zeros((m, cfg.n_group), bool).at[jnp.arange(m)[:, None], best].set(True)
+    choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(m, cfg.n_experts)
+  _, top_i = jax.lax.top_k(choice, cfg.n_experts_per_tok)
+  w = jnp.take_along_axis(scores, top_i, axis=-1)
+  if cfg.norm_topk_prob:
+    w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+  w = w * jnp.float32(cfg.routed_scaling_factor)
+  return w, top_i.astype(jnp.int32), scores / jnp.sum(scores, axis=-1, keepdims=True)
 
 
 def moe(p, x_BxTxD, cfg: ModelConfig, lcfg: ops.LinearConfig, mask_BxT=None):
@@ -61,11 +93,13 @@ def moe(p, x_BxTxD, cfg: ModelConfig, lcfg: ops.LinearConfig, mask_BxT=None):
   h = jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up
   ys = ops.grouped_linear(h, p["expert_down"], sizes_E, lcfg)
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-  y = ys[inverse].reshape(b * t, k, d).astype(jnp.float32) * weights_Mxk.astype(jnp.float32)[..., None]  # exact
+  y = ys[inverse].reshape(b * t, k, d).astype(jnp.float32) * weights_Mxk.astype(jnp.float32)[..., None]  # exact (softmax)
   out = y[:, 0]
   for slot in range(1, k):  # adds in a fixed order: a reduce's order may follow the shape (seen: decode != training)
     out = out + y[:, slot]
   out = out.astype(x.dtype).reshape(b, t, d)
+  if cfg.n_shared_experts:
+    out = out + mlp(p, x_BxTxD, lcfg, prefix="shared_")
 
   m = jnp.ones((b * t,), jnp.float32) if mask_BxT is None else mask_BxT.reshape(-1).astype(jnp.float32)
   counts = jnp.zeros((n_exp,), jnp.float32).at[flat].add(jnp.repeat(m, k))

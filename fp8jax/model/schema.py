@@ -29,7 +29,7 @@ COLUMN = (TENSOR, FSDP)  # (out, in): output features over tensor, input over fs
 ROW = (FSDP, TENSOR)  # (out, in): output over fsdp, input features over tensor (row parallel)
 REPLICATED = None
 
-INITS = ("ones", "normal", "normal_residual")
+INITS = ("ones", "zeros", "normal", "normal_residual")
 EXPERT = "{e}"  # in a stacked row's HF module: the expert index
 
 
@@ -40,7 +40,10 @@ class Param:
   residual stream). ``present(cfg, layer)``: whether a config has this parameter (e.g. q_norm only with qk_norm;
   the expert weights only in MoE layers); ``layer`` is None for the rows outside the layers. ``stacked``: the
   leading dimension indexes experts; HF checkpoints store one tensor per expert, named by ``hf`` with ``{e}``
-  replaced by the index (``hf_tensors``)."""
+  replaced by the index (``hf_tensors``). ``tensor``: the tensor's name inside its HF module ("weight", or e.g.
+  DeepSeek's router buffer "e_score_correction_bias"); ``hf_dtype``: what an export writes it as when it is not
+  FP8 (BF16, or FP32 where the checkpoint keeps FP32). ``hf_linear``: the HF module is an ``nn.Linear`` although
+  fp8jax never quantizes it (MLA's kv_b), so a block-FP8 export must name it in ``modules_to_not_convert``."""
 
   key: str
   shape: Callable[[ModelConfig], tuple[int, ...]]
@@ -50,12 +53,17 @@ class Param:
   init: str = "normal"
   present: Callable[[ModelConfig, int | None], bool] = lambda cfg, layer: True
   stacked: bool = False
+  tensor: str = "weight"
+  hf_dtype: str = "bfloat16"
+  hf_linear: bool | None = None  # the HF module is an nn.Linear (default: ``linear``); export_fp8 lists kept ones
 
   def __post_init__(self):
     if self.init not in INITS:
       raise ValueError(f"schema: {self.key}: init={self.init!r} is not one of {INITS}")
     if self.stacked != (EXPERT in self.hf):
       raise ValueError(f"schema: {self.key}: hf={self.hf!r} must contain {EXPERT!r} exactly when stacked=True")
+    if self.linear and self.tensor != "weight":
+      raise ValueError(f"schema: {self.key}: a linear row's tensor is 'weight' (its scales: 'weight_scale_inv')")
 
   def hf_tensors(self, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(HF module, shape) of each tensor this parameter is stored as on disk: itself, or for a stacked row one
@@ -64,6 +72,10 @@ class Param:
     if not self.stacked:
       return [(self.hf, shape)]
     return [(self.hf.replace(EXPERT, str(e)), shape[1:]) for e in range(shape[0])]
+
+  @property
+  def is_hf_linear(self) -> bool:
+    return self.linear if self.hf_linear is None else self.hf_linear
 
   @property
   def hf_stack(self) -> str:
@@ -89,12 +101,47 @@ def _has_qk_norm(c: ModelConfig, layer) -> bool:
   return c.qk_norm
 
 
+def _gqa(c: ModelConfig, layer) -> bool:
+  return not c.is_mla
+
+
+def _mla(c: ModelConfig, layer) -> bool:
+  return c.is_mla
+
+
+def _one_q_proj(c: ModelConfig, layer) -> bool:  # GQA's q_proj, or MLA's without a q LoRA (same name and shape)
+  return not c.q_lora_rank
+
+
+def _q_lora(c: ModelConfig, layer) -> bool:
+  return c.is_mla and c.q_lora_rank > 0
+
+
 def _dense_mlp(c: ModelConfig, layer: int) -> bool:
   return not c.is_moe_layer(layer)
 
 
 def _moe(c: ModelConfig, layer: int) -> bool:
   return c.is_moe_layer(layer)
+
+
+def _moe_sigmoid(c: ModelConfig, layer: int) -> bool:
+  return c.is_moe_layer(layer) and c.moe_router == "sigmoid"
+
+
+def _shared_experts(c: ModelConfig, layer: int) -> bool:
+  return c.is_moe_layer(layer) and c.n_shared_experts > 0
+
+
+def _dims(*terms) -> Callable[[ModelConfig], int]:
+  """A sum of config dims / products: _dims("kv_lora_rank", "qk_rope_head_dim") -> kv_lora_rank + qk_rope_head_dim."""
+  def get(c, t):
+    return getattr(c, t) if isinstance(t, str) else math.prod(getattr(c, x) for x in t)
+  return lambda c: sum(get(c, t) for t in terms)
+
+
+def _shape(*dims) -> Callable[[ModelConfig], tuple[int, ...]]:
+  return lambda c: tuple(d(c) if callable(d) else getattr(c, d) for d in dims)
 
 
 def _untied(c: ModelConfig, layer) -> bool:
@@ -104,10 +151,24 @@ def _untied(c: ModelConfig, layer) -> bool:
 # One decoder layer (``params["layers"][i]``): GQA attention and the dense SwiGLU MLP (Llama-3.x, Qwen3 dense).
 LAYER: tuple[Param, ...] = (
     Param("attn_norm", _vec("dim"), REPLICATED, "input_layernorm", init="ones"),
-    Param("wq", _mat("q_dim", "dim"), COLUMN, "self_attn.q_proj", linear=True),
-    Param("wk", _mat("kv_dim", "dim"), COLUMN, "self_attn.k_proj", linear=True),
-    Param("wv", _mat("kv_dim", "dim"), COLUMN, "self_attn.v_proj", linear=True),
-    Param("wo", _mat("dim", "q_dim"), ROW, "self_attn.o_proj", linear=True, init="normal_residual"),
+    Param("wq", _mat("q_dim", "dim"), COLUMN, "self_attn.q_proj", linear=True, present=_one_q_proj),
+    Param("wk", _mat("kv_dim", "dim"), COLUMN, "self_attn.k_proj", linear=True, present=_gqa),
+    Param("wv", _mat("kv_dim", "dim"), COLUMN, "self_attn.v_proj", linear=True, present=_gqa),
+    # MLA (DeepSeek-V3, fp8jax.model.mla). wkv_a's 576 = 512 + 64 outputs are not a multiple of 128: FP8 quantizes
+    # it with a ragged last row tile (zero-padded, as quant does for every ragged weight), and export_fp8 writes it
+    # BF16 unless ragged_fp8. wkv_b is no recipe linear: decode and training both run the absorbed form, where its
+    # K half multiplies q per head over qk_nope_head_dim and its V half the latent output per head
+    # (``ops.grouped_linear`` over heads, BF16), not the (out, in) GEMM the FP8 recipe quantizes; NeMo RL's
+    # Moonlight recipe keeps the MLA projections BF16 anyway.
+    Param("wq_a", _shape("q_lora_rank", "dim"), (None, FSDP), "self_attn.q_a_proj", linear=True, present=_q_lora),
+    Param("q_a_norm", _vec("q_lora_rank"), REPLICATED, "self_attn.q_a_layernorm", init="ones", present=_q_lora),
+    Param("wq_b", _shape("q_dim", "q_lora_rank"), COLUMN, "self_attn.q_b_proj", linear=True, present=_q_lora),
+    Param("wkv_a", _shape(_dims("kv_lora_rank", "qk_rope_head_dim"), "dim"), (None, FSDP),
+          "self_attn.kv_a_proj_with_mqa", linear=True, present=_mla),
+    Param("kv_a_norm", _vec("kv_lora_rank"), REPLICATED, "self_attn.kv_a_layernorm", init="ones", present=_mla),
+    Param("wkv_b", _shape(_dims(("n_heads", "qk_nope_head_dim"), ("n_heads", "v_head_dim")), "kv_lora_rank"),
+          (TENSOR, None), "self_attn.kv_b_proj", present=_mla, hf_linear=True),
+    Param("wo", _mat("dim", "attn_out_dim"), ROW, "self_attn.o_proj", linear=True, init="normal_residual"),
     Param("q_norm", _vec("head_dim"), REPLICATED, "self_attn.q_norm", init="ones", present=_has_qk_norm),
     Param("k_norm", _vec("head_dim"), REPLICATED, "self_attn.k_norm", init="ones", present=_has_qk_norm),
     Param("mlp_norm", _vec("dim"), REPLICATED, "post_attention_layernorm", init="ones"),
@@ -123,6 +184,16 @@ LAYER: tuple[Param, ...] = (
           present=_moe, stacked=True),
     Param("expert_down", _experts("dim", "moe_ffn_dim"), (None, *ROW), "mlp.experts.{e}.down_proj", linear=True,
           init="normal_residual", present=_moe, stacked=True),
+    # DeepSeek-V3 MoE: the router's expert-choice bias (a buffer, FP32 in HF checkpoints; not trained by gradient:
+    # the model stops its gradient) and the shared experts (one SwiGLU MLP that every token passes).
+    Param("router_bias", _vec("n_experts"), REPLICATED, "mlp.gate", init="zeros", present=_moe_sigmoid,
+          tensor="e_score_correction_bias", hf_dtype="float32"),
+    Param("shared_gate", _mat("shared_ffn_dim", "dim"), COLUMN, "mlp.shared_experts.gate_proj", linear=True,
+          present=_shared_experts),
+    Param("shared_up", _mat("shared_ffn_dim", "dim"), COLUMN, "mlp.shared_experts.up_proj", linear=True,
+          present=_shared_experts),
+    Param("shared_down", _mat("dim", "shared_ffn_dim"), ROW, "mlp.shared_experts.down_proj", linear=True,
+          init="normal_residual", present=_shared_experts),
 )
 
 # Outside the layers. lm_head is a linear weight too, but the recipe selects it on its own (Recipe.quantize_lm_head).
