@@ -204,20 +204,14 @@ def test_rms_norm_does_not_overflow_where_values_are_finite():
 TP_MODEL_SCRIPT = r"""
 import os, sys, json, functools
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-sys.path.insert(0, {repo!r})
+sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
 import fp8jax, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fp8jax import ops, quant, sharding
 from fp8jax.model import ModelConfig, forward, init_params
-from pallas_kernels import fp8_gemm_triton, fp8_quant
+import kernel_standins
 
-# The "pallas" GEMM path on CPU: interpret-mode Triton GEMM and quantization kernels stand in for the Hopper ones.
-ops.resolve_backend = lambda requested: "pallas"
-ops._pallas_gemm = lambda: functools.partial(fp8_gemm_triton.fp8_gemm, interpret=True)
-class Q:
-  quantize_act = functools.partial(fp8_quant.quantize_act, interpret=True)
-  quantize_act_t = functools.partial(fp8_quant.quantize_act_t, interpret=True)
-ops._pallas_quant = lambda: Q
+kernel_standins.install(bf16=False)  # interpret-mode GEMM/quantization kernels (tests/kernel_standins.py)
 # The RMSNorm kernel's place is taken by its reference (the per-device wiring is what is under test).
 from types import SimpleNamespace
 from fp8jax.model import layers

@@ -258,26 +258,15 @@ import os, sys, json, functools
 FAKE = {fake}  # 4 fake CPU devices with interpret-mode stand-ins, else all local GPUs with the Hopper kernels
 if FAKE:
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-sys.path.insert(0, {repo!r})
+sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
 import fp8jax, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fp8jax import ops, quant
-from pallas_kernels import fp8_gemm, fp8_gemm_triton, fp8_quant
+import kernel_standins
 
 devices = np.asarray(jax.devices())
 if FAKE:
-  # The "pallas" path on CPU: the Triton GEMM and the quantization kernels in interpret mode stand in for the
-  # Hopper kernels (the per-device logic under test does not depend on which kernel runs).
-  ops.resolve_backend = lambda requested: "pallas"
-  ops._pallas_gemm = lambda: functools.partial(fp8_gemm_triton.fp8_gemm, interpret=True)
-  class Q:
-    quantize_act = functools.partial(fp8_quant.quantize_act, interpret=True)
-    quantize_act_t = functools.partial(fp8_quant.quantize_act_t, interpret=True)
-  ops._pallas_quant = lambda: Q
-  # BF16 mode: the kernel's reference stands in (jax 0.11.2's Mosaic GPU interpreter fails under shard_map on fake
-  # devices: "Barrier remains allocated"); tests/test_fp8_gemm_kernels.py checks the kernel against it.
-  ops.resolve_bf16_backend = lambda requested: "pallas"
-  ops._pallas_bf16_gemm = lambda: fp8_gemm.bf16_gemm_reference
+  kernel_standins.install()  # interpret-mode kernels in place of the Hopper ones (tests/kernel_standins.py)
   mesh = Mesh(devices.reshape(2, 2, 1), ("data", "fsdp", "tensor"))
 else:
   mesh = Mesh(devices.reshape(1, -1, 1), ("data", "fsdp", "tensor"))
@@ -333,23 +322,16 @@ import os, sys, json, functools
 FAKE = {fake}  # 4 fake CPU devices (fsdp 2 x tensor 2) with interpret-mode stand-ins, else local GPUs, tensor 2
 if FAKE:
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-sys.path.insert(0, {repo!r})
+sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
 import fp8jax, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fp8jax import ops, quant
 from fp8jax.model import schema
-from pallas_kernels import fp8_gemm, fp8_gemm_triton, fp8_quant
+import kernel_standins
 
 devices = np.asarray(jax.devices())
-if FAKE:  # the stand-ins of PER_DEVICE_SCRIPT
-  ops.resolve_backend = lambda requested: "pallas"
-  ops._pallas_gemm = lambda: functools.partial(fp8_gemm_triton.fp8_gemm, interpret=True)
-  class Q:
-    quantize_act = functools.partial(fp8_quant.quantize_act, interpret=True)
-    quantize_act_t = functools.partial(fp8_quant.quantize_act_t, interpret=True)
-  ops._pallas_quant = lambda: Q
-  ops.resolve_bf16_backend = lambda requested: "pallas"
-  ops._pallas_bf16_gemm = lambda: fp8_gemm.bf16_gemm_reference
+if FAKE:
+  kernel_standins.install()  # interpret-mode kernels in place of the Hopper ones (tests/kernel_standins.py)
 mesh = Mesh(devices[:4].reshape(1, 2, 2) if len(devices) >= 4 else devices[:2].reshape(1, 1, 2),
             ("data", "fsdp", "tensor"))
 m = 256

@@ -1,0 +1,26 @@
+"""Interpret-mode stand-ins for the Hopper kernels, for the fake-CPU-device subprocess scripts of the tests.
+
+The "pallas" path on CPU: the Triton FP8 GEMM and the quantization kernels in interpret mode stand in for the
+Mosaic GPU ones (the per-device / tensor-parallel logic under test does not depend on which kernel runs). BF16
+mode: the kernel's reference stands in (jax 0.11.2's Mosaic GPU interpreter fails under shard_map on fake devices:
+"Barrier remains allocated"); tests/test_fp8_gemm_kernels.py checks the kernel against it.
+"""
+
+import functools
+
+from fp8jax import ops
+from pallas_kernels import fp8_gemm, fp8_gemm_triton, fp8_quant
+
+
+class _Quant:
+  quantize_act = functools.partial(fp8_quant.quantize_act, interpret=True)
+  quantize_act_t = functools.partial(fp8_quant.quantize_act_t, interpret=True)
+
+
+def install(bf16: bool = True) -> None:
+  ops.resolve_backend = lambda requested: "pallas"
+  ops._pallas_gemm = lambda: functools.partial(fp8_gemm_triton.fp8_gemm, interpret=True)
+  ops._pallas_quant = lambda: _Quant
+  if bf16:
+    ops.resolve_bf16_backend = lambda requested: "pallas"
+    ops._pallas_bf16_gemm = lambda: fp8_gemm.bf16_gemm_reference
