@@ -540,7 +540,7 @@ def load_params(hf_dir: str, cfg: ModelConfig, *, dtype=jnp.float32,
                               f"(fp8jax param {path})")
     sk = hf + "_scale_inv"
     if sk in found:
-      want_s = tuple(-(-d // quant.BLOCK) for d in shape)
+      want_s = tuple(quant.num_blocks(d) for d in shape)
       if found[sk][1] != want_s:
         raise HFCheckpointError(f"{found[sk][0]}: tensor '{sk}' has shape {found[sk][1]}, block-FP8 needs {want_s}")
       if found[sk][2] not in _SCALE_DTYPES:

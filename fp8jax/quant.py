@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
 from typing import Any
 
 import jax
@@ -50,6 +49,14 @@ from fp8jax.model import schema
 FP8_DTYPE = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
 BLOCK = 128
+
+
+def num_blocks(d: int) -> int:
+  """128-blocks covering d (ceil(d / 128))."""
+  return -(-d // BLOCK)
+
+
+KV_CACHE_KINDS = ("bf16", "fp8")  # fp8.kv_cache (and the SamplerConfig the trainer builds from it)
 # Below this amax a block is treated as all-zero (its values quantize to +-0 or tiny subnormals).
 AMAX_FLOOR = 1e-30
 # scale = amax * INV_E4M3_MAX. XLA rewrites a division by a constant into a multiplication by its FP32 reciprocal,
@@ -180,7 +187,7 @@ def dequantize_act(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Arr
 def quantize_weight(w_NxK: jax.Array, pow2: bool = False) -> QWeight:
   """128x128 tiles: ``w_NxK -> QWeight(q_NxK, scale_NbxKb)``; leading dims (e.g. stacked experts) allowed."""
   *lead, n, k = w_NxK.shape
-  nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+  nb, kb = num_blocks(n), num_blocks(k)
   wp = pad_k(pad_k(w_NxK, -1), -2).astype(jnp.float32)
   tiles = wp.reshape(*lead, nb, BLOCK, kb, BLOCK)
   scale = _scale_from_amax(_finite_amax(tiles, (-3, -1)), pow2)
@@ -242,8 +249,8 @@ class Recipe:
   def __post_init__(self):
     if self.mode not in MODES:
       raise ValueError(f"fp8.mode must be one of {MODES}, got {self.mode!r}")
-    if self.kv_cache not in ("fp8", "bf16"):
-      raise ValueError(f"fp8.kv_cache must be 'fp8' or 'bf16', got {self.kv_cache!r}")
+    if self.kv_cache not in KV_CACHE_KINDS:
+      raise ValueError(f"fp8.kv_cache must be one of {KV_CACHE_KINDS}, got {self.kv_cache!r}")
     if self.gemm_backend not in ("auto", "xla", "pallas"):
       raise ValueError(f"fp8.gemm_backend must be 'auto', 'xla' or 'pallas', got {self.gemm_backend!r}")
     if self.keep_first_n < 0 or self.keep_last_n < 0:
@@ -326,7 +333,3 @@ def mark_fp8(params: dict, recipe: Recipe) -> dict:
 
 def is_fp8_leaf(x) -> bool:
   return isinstance(x, (QWeight, FP8Weight))
-
-
-def num_blocks(d: int) -> int:
-  return math.ceil(d / BLOCK)

@@ -62,6 +62,11 @@ class SamplerConfig:
   decode_chunk: int = 16  # decode steps per jitted call (slots are refilled between calls)
   memory_fraction: float = 0.9  # the KV caches may use at most this fraction of free device memory
 
+  def __post_init__(self):
+    if self.kv_cache not in quant.KV_CACHE_KINDS:  # the trainer sets it from fp8.kv_cache, validated by Recipe
+      raise ValueError(f"SamplerConfig.kv_cache (fp8.kv_cache in a config) must be one of {quant.KV_CACHE_KINDS}, "
+                       f"got {self.kv_cache!r}")
+
   def bucket(self, n: int) -> int:
     for b in self.prompt_buckets:
       if b >= n:
@@ -150,14 +155,25 @@ def prepare_params(params, recipe: quant.Recipe, dtype=jnp.bfloat16):
 
 
 class Sampler:
-  """Generates rollouts with the model function. Jitted functions are built once per (shapes, params)."""
+  """Generates rollouts with the model function. Jitted functions are built once per (configs, shapes).
+
+  The jitted methods take the Sampler as a static argument, so it hashes and compares by its three configs (all it
+  holds): a new Sampler with equal configs reuses the programs already compiled instead of compiling its own.
+  """
 
   def __init__(self, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, lcfg: ops.LinearConfig = ops.LinearConfig()):
     self.cfg, self.scfg, self.lcfg = model_cfg, sampler_cfg, lcfg
-    if sampler_cfg.kv_cache not in ("bf16", "fp8"):
-      raise ValueError(f"rollout.kv_cache must be 'bf16' or 'fp8', got {sampler_cfg.kv_cache!r}")
     if sampler_cfg.max_len > model_cfg.max_seq_len:
       raise ValueError(f"rollout.max_len={sampler_cfg.max_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
+
+  def _key(self):
+    return (self.cfg, self.scfg, self.lcfg)
+
+  def __hash__(self):
+    return hash(self._key())
+
+  def __eq__(self, other):
+    return isinstance(other, Sampler) and self._key() == other._key()
 
   def _init_cache(self, slots: int, length: int, fp8: bool, k_scale_L=None, v_scale_L=None) -> kvc.KVCache:
     heads, head_dim, values = self.cfg.kv_cache_layout  # GQA K and V, or MLA's latent
@@ -246,7 +262,7 @@ class Sampler:
         raise ValueError(
             f"KV caches need {need / 2**30:.2f} GiB (rollout.slots={s.slots} x rollout.max_len={s.max_len} "
             f"+ {n_prompts} prompts x {bucket}) but only {free / 2**30:.2f} GiB is free on {dev}; "
-            f"lower rollout.slots or rollout.max_len, or use rollout.kv_cache='fp8'")
+            f"lower rollout.slots or rollout.max_len, or use fp8.kv_cache='fp8'")
     return need
 
   @functools.partial(fp8jax.jit, static_argnums=(0,))
@@ -288,7 +304,8 @@ class Sampler:
     self._check_memory(n_prompts, bucket)
     fp8 = s.kv_cache == "fp8"
     if fp8 and kv_scales is None:
-      raise ValueError("rollout.kv_cache='fp8' needs kv_scales (from the trainer's amax or calibrate_kv_scales)")
+      raise ValueError("fp8.kv_cache='fp8' (SamplerConfig.kv_cache) needs kv_scales (from the trainer's amax or "
+                       "calibrate_kv_scales)")
     ks, vs = kv_scales if fp8 else (jnp.ones(c.n_layers), jnp.ones(c.n_layers))
     r = n_prompts * n
     t0 = time.perf_counter()

@@ -18,14 +18,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-BLOCK = 128
+from fp8jax.quant import BLOCK, num_blocks  # the one definition of the block size
 
 
 def expand_b_scale(b_s: jax.Array, n: int) -> jax.Array:
   """(Nb, Kb) tile scales or (N, Kb) row scales -> (N, Kb) row scales."""
   if b_s.shape[0] == n:
     return b_s
-  if b_s.shape[0] == -(-n // BLOCK):
+  if b_s.shape[0] == num_blocks(n):
     return jnp.repeat(b_s, BLOCK, axis=0)[:n]
   raise ValueError(f"B scale shape {tuple(b_s.shape)} fits neither (N, Kb) nor (ceil(N/128), Kb) for N={n}")
 
@@ -41,7 +41,7 @@ def check_operands(a_q, a_s, b_q, b_s):
     raise ValueError(f"K = {k} must be a multiple of {BLOCK} (A {a_q.shape}); zero-pad with fp8jax.quant.pad_k")
   if a_s.shape != (m, k // BLOCK):
     raise ValueError(f"A scale must be (M, K/128) = {(m, k // BLOCK)}, got {tuple(a_s.shape)}")
-  if b_s.ndim != 2 or b_s.shape[1] != k // BLOCK or b_s.shape[0] not in (n, -(-n // BLOCK)):
+  if b_s.ndim != 2 or b_s.shape[1] != k // BLOCK or b_s.shape[0] not in (n, num_blocks(n)):
     raise ValueError(f"B scale must be (N, K/128) or (ceil(N/128), K/128) for B {b_q.shape}, got {b_s.shape}")
   for name, t in (("A", a_q), ("B", b_q)):
     if t.dtype != jnp.float8_e4m3fn:

@@ -16,6 +16,7 @@ Error bounds (relative Frobenius norm ||out - ref|| / ||ref|| on the same quanti
 from __future__ import annotations
 
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -218,7 +219,7 @@ def test_triton_lowers_for_cuda():
 @pytest.mark.parametrize("m", [1, 130, 1024])
 def test_gpu_mgpu_matches_reference_llama_shapes(name, m):
   k, n = LLAMA_8B_SHAPES[name]
-  ops = _operands(hash((name, m)) % 1000, m, n, k)
+  ops = _operands(zlib.crc32(f"{name}/{m}".encode()) % 1000, m, n, k)  # the same seed in every process
   ref = fp8_gemm_reference(*ops, out_dtype=jnp.float32)
   out32 = mgpu.fp8_gemm(*ops, out_dtype=jnp.float32)
   assert _rel_err(out32, ref) <= 1e-3

@@ -150,6 +150,21 @@ def test_seeded_sampling_reproducible_and_prompt_sharing(sparams, monkeypatch):
   assert np.all(np.isfinite(a.logprobs)) and np.all(a.logprobs <= 0)
 
 
+def test_equal_samplers_share_compiled_programs(sparams):
+  """The jitted steps take the Sampler as a static argument: a new Sampler with the same configs must hit the
+  programs the first one compiled (before, each Sampler object compiled its own), and a different config must not."""
+  p, steps = sparams["bf16"], (smp.Sampler._prefill, smp.Sampler._refill, smp.Sampler._decode)
+  make = lambda **kw: smp.Sampler(CFG, smp.SamplerConfig(slots=3, max_len=MAX_LEN, **kw))
+  a = make().generate(p, PROMPTS, SP, n=1)
+  sizes = [f._cache_size() for f in steps]
+  b = make().generate(p, PROMPTS, SP, n=1)
+  assert [f._cache_size() for f in steps] == sizes
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  assert make() == make() and hash(make()) == hash(make()) and make() != make(decode_chunk=4)
+  make(decode_chunk=4).generate(p, PROMPTS, SP, n=1)
+  assert steps[2]._cache_size() == sizes[2] + 1
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Filters: distribution tests on a toy logits vector
 # ------------------------------------------------------------------------------------------------------------------
@@ -378,8 +393,8 @@ def test_bad_configs_give_clear_errors(sparams, monkeypatch):
     s.generate(p, [[]], GREEDY)
   with pytest.raises(ValueError, match="needs kv_scales"):
     sampler(4, "fp8").generate(p, PROMPTS, GREEDY)
-  with pytest.raises(ValueError, match="rollout.kv_cache"):
-    smp.Sampler(CFG, smp.SamplerConfig(kv_cache="fp16"))
+  with pytest.raises(ValueError, match=r"SamplerConfig.kv_cache \(fp8.kv_cache in a config\) must be one of .*'fp16'"):
+    smp.SamplerConfig(kv_cache="fp16")
   with pytest.raises(ValueError, match="model.max_seq_len"):
     smp.Sampler(CFG, smp.SamplerConfig(max_len=CFG.max_seq_len + 1))
   with pytest.raises(ValueError, match="temperature"):

@@ -364,7 +364,9 @@ class RLTrainer:
                                                    temperature=self.sp.temperature, **kw), donate_argnums=(0,),
                                  out_shardings=(self._state_sh, rep))
     ws = self.c.warmstart
-    self._sft_tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(ws.lr)) if ws.steps else None
+    # Plain Adam (optax.adam's b2 0.999, no decay, clip 1.0) at warmstart.lr, through the one optimizer builder
+    sft_oc = OptimConfig(lr=float(ws.lr), b2=0.999, weight_decay=0.0, grad_clip=1.0)
+    self._sft_tx = make_optimizer(sft_oc, int(ws.steps))[0] if ws.steps else None
     if self._sft_tx is not None:
       self._sft_state_sh = self._state_shardings(self._sft_tx)
       self._sft_step = fp8jax.jit(functools.partial(
