@@ -14,7 +14,8 @@ type of ``w`` (chosen by the recipe in ``fp8jax.quant``), never on who calls it:
   ``quantize_weight`` is deterministic, so the FP8Weight and QWeight forwards are bitwise the same computation.
 
 ``grouped_linear(x, w, group_sizes, cfg)`` is the mixture-of-experts form (rows sorted by group, w stacked (E, N, K),
-same three modes); each group's results are bitwise ``linear`` on its rows alone. It has only the "xla" reference.
+same three modes); each group's results are bitwise ``linear`` on its rows alone. It runs the "xla" reference (the
+grouped Hopper kernel, for forward and dgrad, is an explicit opt-in: ``LinearConfig.grouped_kernel``).
 
 Outputs are ``cfg.out_dtype`` (BF16 by default). The GEMMs run on a backend: "xla" is the exact block-math
 reference in ``pallas_kernels.fp8_gemm`` (every kernel is tested against it); "pallas" is the Hopper kernel, with
@@ -57,6 +58,10 @@ class LinearConfig:
   # w_gate, w_up), "row" (input features split, partial products summed: wo, w_down) or None (gathered). Set per
   # call by ``linear(..., parallel=)`` from the parameter schema (``schema.PARALLEL``).
   parallel: str | None = None
+  # Opt-in, not yet validated on a GPU: where the FP8 backend resolves to "pallas", run grouped_linear's FP8 forward
+  # and dgrad GEMMs on the grouped Mosaic kernel (``fp8_gemm_mgpu.grouped_fp8_gemm``; bitwise the dense kernel per
+  # group by its contract) instead of raising NotImplementedError. The grouped wgrad stays on the XLA reference.
+  grouped_kernel: bool = False
 
   @classmethod
   def from_recipe(cls, recipe: quant.Recipe, out_dtype: str = "bfloat16",
@@ -99,6 +104,12 @@ def _pallas_gemm():
 def _pallas_quant():
   from pallas_kernels import fp8_quant  # noqa: PLC0415 (imports the Pallas Triton backend only when asked for)
   return fp8_quant
+
+
+@functools.cache
+def _pallas_grouped_gemm():
+  from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415 (imports Mosaic GPU only when asked for)
+  return fp8_gemm_mgpu.grouped_fp8_gemm
 
 
 @functools.cache
@@ -443,24 +454,31 @@ def linear(x: jax.Array, w, cfg: LinearConfig = LinearConfig(), parallel: str | 
 
 
 def _grouped_backend(cfg: LinearConfig):
+  if resolve_backend(cfg.backend) == "pallas" and not cfg.grouped_kernel:
+    raise NotImplementedError(f"grouped_linear: the grouped Pallas FP8 kernel (fp8_gemm_mgpu.grouped_fp8_gemm) is not "
+                              f"yet validated on a GPU and is opt-in only (LinearConfig.grouped_kernel=True), and the "
+                              f"backend resolved to 'pallas' (fp8.gemm_backend={cfg.backend!r}); set "
+                              f"fp8.gemm_backend='xla' to run the reference")
+
+
+def _grouped_gemm(a_q, a_s, b_q_ExNxK, b_s, group_sizes_E, out_dtype, cfg: LinearConfig):
+  """The grouped FP8 GEMM: the opt-in kernel where the backend is "pallas" (``_grouped_backend`` let it through),
+  else the reference; the activations are quantized by ``quantize_act`` on the same backend (same bits)."""
   if resolve_backend(cfg.backend) == "pallas":
-    raise NotImplementedError(f"grouped_linear: there is no grouped Pallas FP8 kernel yet, and the backend resolved "
-                              f"to 'pallas' (fp8.gemm_backend={cfg.backend!r}); set fp8.gemm_backend='xla' to run "
-                              f"the reference")
+    return _pallas_grouped_gemm()(a_q, a_s, b_q_ExNxK, b_s, group_sizes_E, out_dtype=out_dtype)
+  return grouped_ref.grouped_gemm_reference(a_q, a_s, b_q_ExNxK, b_s, group_sizes_E, out_dtype)
 
 
 def _grouped_forward_q(x_MxK, qw: quant.QWeight, group_sizes_E, cfg: LinearConfig):
-  xq, xs = quant.quantize_act(quant.pad_k(x_MxK), cfg.pow2_scales)
-  return grouped_ref.grouped_gemm_reference(xq, xs, quant.pad_k(qw.q, -1), qw.scale, group_sizes_E,
-                                            jnp.dtype(cfg.out_dtype))
+  xq, xs = quantize_act(quant.pad_k(x_MxK), cfg.pow2_scales, cfg.backend)
+  return _grouped_gemm(xq, xs, quant.pad_k(qw.q, -1), qw.scale, group_sizes_E, jnp.dtype(cfg.out_dtype), cfg)
 
 
 def _grouped_dgrad(dy_MxN, qw: quant.QWeight, group_sizes_E, k: int, dtype, cfg: LinearConfig):
   """dx = Q(dy)[1x128 over N] . Q(w_e)^T per group (``_dgrad``'s operands, stacked over experts)."""
-  dyq, dys = quant.quantize_act(quant.pad_k(dy_MxN), cfg.pow2_scales)
+  dyq, dys = quantize_act(quant.pad_k(dy_MxN), cfg.pow2_scales, cfg.backend)
   wt_ExKxN = quant.pad_k(quant.pad_k(jnp.swapaxes(qw.q, -1, -2), -1), -2)
-  dx = grouped_ref.grouped_gemm_reference(dyq, dys, wt_ExKxN, jnp.swapaxes(qw.scale, -1, -2), group_sizes_E,
-                                          jnp.dtype(dtype))
+  dx = _grouped_gemm(dyq, dys, wt_ExKxN, jnp.swapaxes(qw.scale, -1, -2), group_sizes_E, jnp.dtype(dtype), cfg)
   return dx[:, :k]
 
 
@@ -547,8 +565,9 @@ def grouped_linear(x_MxK: jax.Array, w, group_sizes_E: jax.Array, cfg: LinearCon
   dgrad and wgrad (dw (E, N, K) in the master's dtype; each expert's tokens quantized 1x128 over tokens starting at
   its group's first row); ``QWeight`` with q (E, N, K) and scale (E, N/128, K/128) -> frozen-weight forward + dgrad.
   Numerics: each group's rows of y, dx and each dw_e are bitwise ``linear`` (and its VJP) applied to that group's
-  rows alone (batch-invariant math; ``pallas_kernels.grouped_gemm``), checked on CPU. Only the "xla" reference
-  exists: a backend that resolves to "pallas" raises (FP8 weights only; BF16 mode has no FP8 GEMM).
+  rows alone (batch-invariant math; ``pallas_kernels.grouped_gemm``), checked on CPU. The FP8 modes run the "xla"
+  reference; a backend that resolves to "pallas" raises (FP8 weights only; BF16 mode has no FP8 GEMM) unless
+  ``cfg.grouped_kernel`` opts in to the grouped Hopper kernel for the forward and dgrad (not yet validated on GPU).
   """
   if x_MxK.ndim != 2:
     raise ValueError(f"grouped_linear: x must be 2-D (M, K) rows sorted by group, got shape {tuple(x_MxK.shape)}")

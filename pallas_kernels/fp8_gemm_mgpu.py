@@ -3,6 +3,9 @@
 Operands and math are those of ``pallas_kernels.fp8_gemm`` (read its docstring):
 * ``fp8_gemm``: A E4M3 (M, K) with 1x128 FP32 scales (M, K/128); B E4M3 stored (N, K) (K-major, as FP8 wgmma needs)
   with either 128x128 tile scales (ceil(N/128), K/128) [forward / dgrad] or 1x128 row scales (N, K/128) [wgrad].
+* ``grouped_fp8_gemm`` (mixture of experts): ``fp8_gemm``'s forward / dgrad operands with B stacked over experts,
+  (E, N, K) + tile scales (E, N/128, K/128), and A's rows in ``grouped_gemm``'s tile layout (each 128-row tile of
+  A belongs to one expert); each tile's B loads start at its expert. Reference ``grouped_gemm_reference``.
 * ``bf16_gemm``: A BF16 (M, K), B BF16 stored (N, K) (the K-major transposed SMEM view, as in FP8 mode), FP32
   accumulation; reference ``fp8_gemm.bf16_gemm_reference``. The BF16 linears and the lm_head of ``fp8jax.ops``.
 
@@ -69,6 +72,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import grouped_gemm
 from pallas_kernels.fp8_gemm import BLOCK, check_operands
 
 WG_M = 64  # rows of C per consumer warpgroup: one m64 wgmma row block.
@@ -251,17 +255,23 @@ def _swizzled(shape_minor_bytes: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(*refs, cfg: TuningConfig, row_scales: bool):
-  """Refs: a (Mp, K), b (N, K), [as (Kb, Mp) f32, bs (Kb, 32*Nb | N) f32,] out (Mp, N), out_smem.
+def _kernel(*refs, cfg: TuningConfig, row_scales: bool, num_experts: int = 0):
+  """Refs: a (Mp, K), b (N, K), [as (Kb, Mp) f32, bs (Kb, 32*Nb | N) f32,] [tile_expert (Mp/128,) i32,] out (Mp, N),
+  out_smem.
 
   With the two scale refs: FP8 mode (E4M3 operands, a fresh wgmma accumulator per K block, FP32 promotion).
   Without: BF16 mode (BF16 operands, one wgmma accumulator over all of K, no promotion).
+  With ``num_experts`` (grouped mode, FP8 tile scales only): b is the experts' weights stacked (E*N, K), bs their
+  replicated tile scales side by side (Kb, E*32*Nb), and the last input maps each 128-row tile of A to its expert;
+  a tile's B and B-scale loads start at its expert's block, everything else is the dense kernel.
   """
   *in_gmem, out_gmem, out_smem = refs
+  if num_experts:
+    *in_gmem, tile_expert_gmem = in_gmem
   a_gmem, b_gmem, *scale_gmem = in_gmem
   scaled = bool(scale_gmem)
   mp, k = a_gmem.shape
-  n = b_gmem.shape[0]
+  n = out_gmem.shape[1]
   out_dtype = out_gmem.dtype
   cta_m, cta_n, wg_n, kb = cfg.cta_m, cfg.cta_n, cfg.wg_n, cfg.k_blocks
   bk = _block_k(a_gmem.dtype)
@@ -314,6 +324,11 @@ def _kernel(*refs, cfg: TuningConfig, row_scales: bool):
         n_idx = n_idx * cfg.cluster_size + lax.axis_index("cluster")
       m0 = m_idx * cta_m
       n0 = n_idx * cta_n
+      b_row0 = n0
+      if num_experts:  # grouped mode: the tile's expert (ids >= E: an unused tile, all zero rows)
+        tile_id = tile_expert_gmem[lax.div(m0, BLOCK)]
+        expert = jnp.minimum(tile_id, num_experts - 1)
+        b_row0 = expert * n + n0
       if cfg.split == "m":
         wg_m_off, wg_n_off = wg * WG_M, 0
       else:
@@ -341,13 +356,21 @@ def _kernel(*refs, cfg: TuningConfig, row_scales: bool):
         plgpu.copy_smem_to_gmem(
             out_smem.at[wg], out_gmem.at[pl.ds(m0 + wg_m_off, WG_M), pl.ds(n0 + wg_n_off, wg_n)])
 
-      tile_gmem = [a_gmem.at[pl.ds(m0, cta_m)], b_gmem.at[pl.ds(n0, cta_n)]]
+      tile_gmem = [a_gmem.at[pl.ds(m0, cta_m)], b_gmem.at[pl.ds(b_row0, cta_n)]]
       if scaled:
         body, compute_context, scale_tile = _fp8_step(operands, epilogue, cfg, row_scales, n0, wg_m_off, wg_n_off)
+        if num_experts:
+          scale_tile = scale_tile + expert * (_SCALE_REP * (n // BLOCK))
         tile_gmem += [scale_gmem[0].at[:, pl.ds(m0, cta_m)], scale_gmem[1].at[:, pl.ds(scale_tile, bs_cols)]]
       else:
         body, compute_context = _bf16_step(operands, epilogue, cfg)
-      get_pipeline(body, compute_context, pipeline_state)(*tile_gmem, allocations=allocs)
+      run_tile = lambda: get_pipeline(body, compute_context, pipeline_state)(*tile_gmem, allocations=allocs)
+      if num_experts and not cfg.cross_tile:
+        # Grouped mode, one pipeline per tile: unused tiles are skipped (their rows of C are left unwritten).
+        # Across tiles the pipeline's START/STOP steps need every tile, so there they run (with zero rows: zeros).
+        pl.when(tile_id < num_experts)(run_tile)
+      else:
+        run_tile()
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -454,12 +477,12 @@ def _resolve(cfg: TuningConfig, m: int, n: int, k: int, out_dtype, row_scales: b
 
 
 def _launch(*operands, cfg: TuningConfig, row_scales: bool, mp: int, n: int, out_dtype, grid: int, interpret: bool,
-            kernel_name: str):
+            kernel_name: str, num_experts: int = 0):
   """Runs ``_kernel`` on (Mp, .) operands -> (Mp, N) ``out_dtype``."""
   out_smem_type = plgpu.SMEM((cfg.num_wgs, WG_M, cfg.wg_n), out_dtype,
                              transforms=_swizzled(cfg.wg_n * out_dtype.itemsize, out_dtype.itemsize))
   kernel = plgpu.kernel(
-      functools.partial(_kernel, cfg=cfg, row_scales=row_scales),
+      functools.partial(_kernel, cfg=cfg, row_scales=row_scales, num_experts=num_experts),
       out_type=jax.ShapeDtypeStruct((mp, n), out_dtype),
       scratch_types=[out_smem_type],
       grid=(grid,),
@@ -490,13 +513,92 @@ def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig
   cfg, mp, grid = _resolve(config or choose_config(m, n, k, num_sms, row_scales), m, n, k, out_dtype, row_scales,
                            num_sms, interpret, a_q.dtype, "fp8_gemm")
   as_KbxMp = _pad_rows(a_s, mp).astype(jnp.float32).T
-  if row_scales:
-    bs = b_s.astype(jnp.float32).T  # (Kb, N)
-  else:
-    bs = jnp.repeat(b_s.astype(jnp.float32).T, _SCALE_REP, axis=1)  # (Kb, 32 * Nb)
+  bs = b_s.astype(jnp.float32).T if row_scales else _replicate(b_s.T)  # (Kb, N) | (Kb, 32 * Nb)
   out = _launch(_pad_rows(a_q, mp), b_q, as_KbxMp, bs, cfg=cfg, row_scales=row_scales, mp=mp, n=n,
                 out_dtype=out_dtype, grid=grid, interpret=interpret, kernel_name="fp8jax_fp8_gemm")
   return out[:m] if mp != m else out
+
+
+def _replicate(bs_KbxC):
+  """Tile scales (Kb, C) -> (Kb, 32*C) f32: each scale 32 times (one 128-byte TMA box per 128-column block)."""
+  return jnp.repeat(bs_KbxC.astype(jnp.float32), _SCALE_REP, axis=1)
+
+
+def _validate_grouped(a_q_PxK, a_s_PxKb, b_q_ExNxK, b_s_ExNbxKb, tile_expert_T):
+  p, e = a_q_PxK.shape[0], b_q_ExNxK.shape[0]
+  if b_q_ExNxK.ndim != 3 or b_s_ExNbxKb.ndim != 3 or b_s_ExNbxKb.shape[0] != e:
+    raise ValueError(f"grouped_fp8_gemm: B must be stacked (E, N, K) with tile scales (E, N/128, K/128), got B "
+                     f"{tuple(b_q_ExNxK.shape)} and scales {tuple(b_s_ExNbxKb.shape)}")
+  n = b_q_ExNxK.shape[1]
+  if b_s_ExNbxKb.shape[1] != -(-n // BLOCK):
+    raise ValueError(f"grouped_fp8_gemm: B scales must be 128x128 tile scales (E, ceil(N/128), K/128) for B "
+                     f"{tuple(b_q_ExNxK.shape)}, got {tuple(b_s_ExNbxKb.shape)} (no row-scale / wgrad mode)")
+  sds = jax.ShapeDtypeStruct
+  _validate(a_q_PxK, a_s_PxKb, sds(b_q_ExNxK.shape[1:], b_q_ExNxK.dtype), sds(b_s_ExNbxKb.shape[1:], jnp.float32))
+  if p % BLOCK or tile_expert_T.shape != (p // BLOCK,) or not jnp.issubdtype(tile_expert_T.dtype, jnp.integer):
+    raise ValueError(f"grouped_fp8_gemm: A's tile buffer must have a multiple of {BLOCK} rows and one integer expert "
+                     f"id per {BLOCK}-row tile; got A {tuple(a_q_PxK.shape)}, tile_expert "
+                     f"{tuple(tile_expert_T.shape)} {tile_expert_T.dtype}")
+
+
+def _grouped_config(cfg: TuningConfig | None, p: int, n: int, k: int, num_sms: int) -> TuningConfig:
+  """A requested config, or ``choose_config``'s pick, whose CTA height divides 128 (a CTA's rows: one expert)."""
+  if cfg is None:
+    # Without cross_tile, so that unused tiles are skipped: with balanced routing every group fills whole tiles and
+    # the E unused tiles are a fifth of the work at 8192 tokens x top-8 over 128 experts (not yet measured on GPU).
+    cfg = dataclasses.replace(choose_config(p, n, k, num_sms), cross_tile=False)
+    if BLOCK % cfg.cta_m:  # 192-row CTAs (3 consumer warpgroups) -> 128-row CTAs
+      cfg = dataclasses.replace(cfg, num_wgs=2)
+  if BLOCK % cfg.cta_m:
+    raise ValueError(f"grouped_fp8_gemm: the CTA height {cfg.cta_m} of {cfg} must divide {BLOCK} (each 128-row tile "
+                     f"belongs to one expert)")
+  return cfg
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "num_sms"))
+def grouped_fp8_gemm_tiles(a_q_PxK, a_s_PxKb, b_q_ExNxK, b_s_ExNbxKb, tile_expert_T, *, out_dtype=jnp.bfloat16,
+                           config: TuningConfig | None = None, interpret: bool = False, num_sms: int | None = None):
+  """Grouped mode on the tile buffer: C[tile t] = A[tile t] . B[tile_expert_T[t]]^T -> (P, N) ``out_dtype``.
+
+  ``a_q_PxK`` / ``a_s_PxKb``: A's rows in ``grouped_gemm.tile_operands``' layout (P a multiple of 128), E4M3 + 1x128
+  scales; ``b_q_ExNxK`` / ``b_s_ExNbxKb``: the experts' E4M3 weights and 128x128 tile scales (the dense kernel's
+  forward / dgrad B, stacked); ``tile_expert_T`` (P/128,) int32: each tile's expert, >= E for unused tiles. Unused
+  tiles are skipped (their rows of C are unspecified), or with ``cross_tile`` computed against expert E-1 (their A
+  rows are zeros: zeros); ``grouped_fp8_gemm`` drops them.
+
+  Invariance contract: the tile -> expert map only moves where the B and B-scale loads start; every output element
+  C[m, n] of a tile of expert e goes through exactly the dense kernel's promotion chain (module docstring, item 3)
+  over row m of A and row n of B_e, for every config. So the rows of each group are bitwise the rows ``fp8_gemm``
+  gives for A = the group's rows and B = expert e alone (tested bitwise on the GPU), and bitwise the same whatever
+  the other groups hold or how many rows they have.
+  """
+  _validate_grouped(a_q_PxK, a_s_PxKb, b_q_ExNxK, b_s_ExNbxKb, tile_expert_T)
+  out_dtype = _out_dtype(out_dtype, "grouped_fp8_gemm")
+  (p, k), (e, n, _) = a_q_PxK.shape, b_q_ExNxK.shape
+  num_sms = num_sms or (4 if interpret else _num_sms())
+  cfg = _grouped_config(config, p, n, k, num_sms)
+  cfg, mp, grid = _resolve(cfg, p, n, k, out_dtype, False, num_sms, interpret, a_q_PxK.dtype, "grouped_fp8_gemm")
+  assert mp == p, (mp, p)  # the CTA height divides 128
+  bs = _replicate(jnp.transpose(b_s_ExNbxKb, (2, 0, 1)).reshape(k // BLOCK, -1))  # (Kb, E * 32 * Nb)
+  return _launch(a_q_PxK, b_q_ExNxK.reshape(e * n, k), a_s_PxKb.astype(jnp.float32).T, bs,
+                 tile_expert_T.astype(jnp.int32), cfg=cfg, row_scales=False, mp=p, n=n, out_dtype=out_dtype,
+                 grid=grid, interpret=interpret, kernel_name="fp8jax_grouped_fp8_gemm", num_experts=e)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "num_sms"))
+def grouped_fp8_gemm(a_q_MxK, a_s_MxKb, b_q_ExNxK, b_s_ExNbxKb, group_sizes_E, *, out_dtype=jnp.bfloat16,
+                     config: TuningConfig | None = None, interpret: bool = False, num_sms: int | None = None):
+  """``grouped_gemm.grouped_gemm_reference`` on the kernel: rows sorted by group (sizes traced), -> (M, N).
+
+  Rows move to the tile buffer and back as in the reference (``grouped_gemm.tile_operands`` / ``from_tiles``);
+  rows at or beyond sum(group_sizes_E) give zeros. Each group's rows are bitwise ``fp8_gemm`` of those rows with
+  B = that expert's weight (``grouped_fp8_gemm_tiles``' invariance contract)."""
+  if a_q_MxK.shape[0] == 0:  # no rows: an empty tile buffer, nothing to launch
+    return jnp.zeros((0, b_q_ExNxK.shape[1]), out_dtype)
+  a_q, a_s, dest, tile_expert = grouped_gemm.tile_operands(a_q_MxK, a_s_MxKb, group_sizes_E, b_q_ExNxK.shape[0])
+  out = grouped_fp8_gemm_tiles(a_q, a_s, b_q_ExNxK, b_s_ExNbxKb, tile_expert, out_dtype=out_dtype, config=config,
+                               interpret=interpret, num_sms=num_sms)
+  return grouped_gemm.from_tiles(out, dest)
 
 
 def _validate_bf16(a, b):

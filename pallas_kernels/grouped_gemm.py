@@ -4,11 +4,12 @@ Rows are sorted by group: with ``off = exclusive_cumsum(group_sizes_E)`` (int32,
 ``[off_e, off_e + size_e)`` of A are multiplied by expert e's weight ``B_e``; rows at or beyond ``sum(group_sizes)``
 give zeros. Sizes are clipped to the M rows there are (a group reaching past row M keeps only the rows before M).
 
-Layout (also what a Hopper kernel would use): ``layout`` places each group's rows in a buffer of the static size
-``padded_rows(M, E) = round_up(M, 128) + E * 128`` where every group starts at a multiple of 128 rows (zero rows
-between groups), and gives each 128-row tile its expert id (E for the unused tiles at the end). Each tile is then an
-ordinary dense block GEMM against one expert, computed by ``fp8_gemm.fp8_gemm_reference`` itself (or
-``invariant_dot`` for BF16 operands), so every row is bitwise the dense GEMM of its group's rows alone: rows are
+Layout (also the Hopper kernel's, ``fp8_gemm_mgpu.grouped_fp8_gemm``): ``layout`` places each group's rows in a
+buffer of the static size ``padded_rows(M, E) = round_up(M, 128) + min(E, M) * 128`` (at most min(E, M) groups are
+non-empty, each padded by < 128 rows) where every group starts at a multiple of 128 rows (zero rows between groups),
+and gives each 128-row tile its expert id (E for the unused tiles at the end). Each tile is then an ordinary dense
+block GEMM against one expert, computed by ``fp8_gemm.fp8_gemm_reference`` itself (or ``invariant_dot`` for BF16
+operands), so every row is bitwise the dense GEMM of its group's rows alone: rows are
 independent in the dense math (batch invariance), and the 1x128-over-tokens groups of the wgrad operands start at
 each group's first row, as in the dense wgrad of that group.
 
@@ -22,13 +23,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels.fp8_gemm import BLOCK, fp8_gemm_reference, invariant_dot
+from pallas_kernels.fp8_gemm import BLOCK, fp8_gemm_reference, invariant_dot, num_blocks
 
 
 def padded_rows(m: int, num_groups: int) -> int:
-  """Static row count of the tile buffer: enough for every group padded to a multiple of 128."""
-  return -(-m // BLOCK) * BLOCK + num_groups * BLOCK
+  """Static row count of the tile buffer: enough for every non-empty group (at most min(E, M)) padded to a multiple
+  of 128 (so decode-sized M does not pay for E tiles)."""
+  return num_blocks(m) * BLOCK + min(num_groups, m) * BLOCK
 
 
 def layout(group_sizes_E: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
@@ -75,16 +78,23 @@ def per_tile(tile_fn, a_PxK: jax.Array, a_s_PxKb: jax.Array | None, tile_expert_
   return jax.lax.map(body, (a, s, tile_expert_T)).reshape(t * BLOCK, n)
 
 
-def grouped_gemm_reference(a_q_MxK, a_s_MxKb, b_q_ExNxK, b_s, group_sizes_E, out_dtype=jnp.bfloat16):
-  """Grouped ``C = A . B_e^T`` on quantized operands (layouts of ``fp8_gemm``, B stacked over experts: b_q (E, N, K),
-  b_s (E, Nb, Kb) or (E, N, Kb)). A's 1x128 groups run along K, so its rows move to the tile buffer unchanged."""
-  m, e, n = a_q_MxK.shape[0], b_q_ExNxK.shape[0], b_q_ExNxK.shape[1]
+def tile_operands(a_q_MxK, a_s_MxKb, group_sizes_E, num_groups: int):
+  """Quantized rows (E4M3 (M, K), scales (M, Kb)) -> (a_q_PxK, a_s_PxKb, dest_M, tile_expert_T): the tile buffers
+  of ``layout`` (zero rows and zero scales between and after the groups), for the reference and the kernel alike."""
+  m = a_q_MxK.shape[0]
   dest, tile_expert = layout(group_sizes_E, m)
-  p = padded_rows(m, e)
+  p = padded_rows(m, num_groups)
   # FP8 rows move as their bytes (scatter/gather of the storage bits; no arithmetic on E4M3 values).
   a_bits = to_tiles(jax.lax.bitcast_convert_type(a_q_MxK, jnp.uint8), dest, p)
   a_q = jax.lax.bitcast_convert_type(a_bits, a_q_MxK.dtype)
-  a_s = to_tiles(a_s_MxKb, dest, p)
+  return a_q, to_tiles(a_s_MxKb, dest, p), dest, tile_expert
+
+
+def grouped_gemm_reference(a_q_MxK, a_s_MxKb, b_q_ExNxK, b_s, group_sizes_E, out_dtype=jnp.bfloat16):
+  """Grouped ``C = A . B_e^T`` on quantized operands (layouts of ``fp8_gemm``, B stacked over experts: b_q (E, N, K),
+  b_s (E, Nb, Kb) or (E, N, Kb)). A's 1x128 groups run along K, so its rows move to the tile buffer unchanged."""
+  e, n = b_q_ExNxK.shape[0], b_q_ExNxK.shape[1]
+  a_q, a_s, dest, tile_expert = tile_operands(a_q_MxK, a_s_MxKb, group_sizes_E, e)
   tile = lambda at, st, ei: fp8_gemm_reference(at, st, b_q_ExNxK[ei], b_s[ei], out_dtype=out_dtype)
   return from_tiles(per_tile(tile, a_q, a_s, tile_expert, e, n, out_dtype), dest)
 
@@ -145,3 +155,18 @@ def grouped_dot_wgrad(ct_MxN, x_MxK, group_sizes_E, num_experts: int) -> jax.Arr
     return jax.linear_transpose(lambda b: invariant_dot(xe, b), b_struct)(ce)[0]
 
   return jax.lax.map(expert, jnp.arange(num_experts, dtype=jnp.int32))
+
+
+def routing_sizes(tokens: int, top_k: int, e: int, skew: float, seed: int = 0) -> np.ndarray:
+  """Synthetic group sizes of ``tokens * top_k`` routed rows (tests, benchmarks): balanced (skew 0) or Zipf-like
+  (expert i's weight (i + 1) ** -skew), with E/16 empty experts when skewed."""
+  rows = tokens * top_k
+  if skew == 0:
+    sizes = np.full(e, rows // e)
+    sizes[: rows - sizes.sum()] += 1
+    return sizes.astype(np.int32)
+  w = (np.arange(e) + 1.0) ** -skew
+  w[np.random.default_rng(seed).permutation(e)[: e // 16]] = 0  # some experts get no tokens
+  sizes = np.floor(w / w.sum() * rows).astype(np.int64)
+  sizes[np.argmax(w)] += rows - sizes.sum()
+  return sizes.astype(np.int32)

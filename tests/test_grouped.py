@@ -163,6 +163,59 @@ def test_errors_name_shapes(monkeypatch):
     ops.grouped_linear(x, quant.QWeight(qw.q, qw.scale[:, :2]), sizes)
   monkeypatch.setattr(ops, "resolve_backend", lambda requested: "pallas")
   for wq in (quant.FP8Weight(w), qw):
-    with pytest.raises(NotImplementedError, match=r"no grouped Pallas FP8 kernel.*fp8\.gemm_backend"):
+    with pytest.raises(NotImplementedError, match=r"opt-in only \(LinearConfig\.grouped_kernel=True\).*"
+                                                  r"fp8\.gemm_backend"):
       ops.grouped_linear(x, wq, sizes)
   assert ops.grouped_linear(x, w, sizes).shape == (8, N)  # BF16 mode runs no FP8 GEMM
+
+
+@cpu_only
+@pytest.mark.parametrize("kind", ["fp8_master", "qweight"])
+def test_grouped_kernel_opt_in_matches_reference(monkeypatch, kind):
+  """LinearConfig(grouped_kernel=True) on the "pallas" backend: forward and dgrad on the grouped Mosaic kernel (here
+  in interpret mode), bitwise the reference path. Small integers with power-of-two scales keep every sum exact, so
+  the interpreter's summation order cannot show (the GPU bits: tests/test_grouped_kernel.py)."""
+  from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415
+
+  x = rand(12, (M, K), 3.0).round().astype(jnp.bfloat16)
+  w = rand(13, (E, N, K), 3.0).round()
+  dy = rand(14, (M, N), 3.0).round().astype(jnp.bfloat16)
+  sizes = jnp.asarray(SIZES, jnp.int32)
+  xla, opt_in = ops.LinearConfig(pow2_scales=True, backend="xla"), ops.LinearConfig(pow2_scales=True,
+                                                                                     grouped_kernel=True)
+  wq = WRAP[kind](w)
+  run = lambda cfg: (lambda y, vjp: (y, vjp(dy)[0]))(*jax.vjp(lambda x: ops.grouped_linear(x, wq, sizes, cfg), x))
+  y_ref, dx_ref = run(xla)
+  calls = []
+
+  def kernel(*args, **kw):
+    calls.append(args[0].shape)
+    return fp8_gemm_mgpu.grouped_fp8_gemm(*args, interpret=True, **kw)
+
+  monkeypatch.setattr(ops, "resolve_backend", lambda requested: "pallas")
+  monkeypatch.setattr(ops, "_pallas_grouped_gemm", lambda: kernel)
+  monkeypatch.setattr(ops, "_pallas_quant", lambda: quant)  # the quantizer itself (the kernels' bits)
+  y, dx = run(opt_in)
+  assert calls == [(M, K), (M, N)]  # forward, dgrad
+  assert np.any(bits(y)) and np.any(bits(dx))
+  np.testing.assert_array_equal(bits(y), bits(y_ref))
+  np.testing.assert_array_equal(bits(dx), bits(dx_ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("kind", ["fp8_master", "qweight"])
+def test_gpu_grouped_kernel_opt_in_bitwise_dense_per_group(kind):
+  """The opt-in grouped kernel on the H200: each group's y and dx bitwise the dense ``linear`` (the dense Hopper
+  kernel) on that group's rows alone, at a Qwen3-30B-A3B expert shape (gate/up: N 768, K 2048)."""
+  sizes = (130, 0, 1, 300, 64, 0, 257, 100)
+  m, e, n, k = sum(sizes) + 20, len(sizes), 768, 2048
+  x, w, dy = rand(15, (m, k), 1.0, jnp.bfloat16), rand(16, (e, n, k), 0.02), rand(17, (m, n), 1.0, jnp.bfloat16)
+  cfg = ops.LinearConfig(backend="pallas", grouped_kernel=True)
+  (y, dx, _), dense = grouped_and_dense(kind, sizes, x, w, dy, cfg)
+  for g, d in enumerate(dense):
+    if d is not None:
+      rows, ye, dxe, _ = d
+      np.testing.assert_array_equal(bits(y[rows]), bits(ye), err_msg=f"forward, group {g}")
+      np.testing.assert_array_equal(bits(dx[rows]), bits(dxe), err_msg=f"dgrad, group {g}")
+  assert not np.any(bits(y[sum(sizes):])) and not np.any(bits(dx[sum(sizes):]))

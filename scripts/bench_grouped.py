@@ -1,0 +1,189 @@
+"""Benchmark of the grouped (MoE) mode of the FP8 Mosaic GEMM (issue 17) on an sm_90 GPU, at Qwen3-30B-A3B shapes.
+
+  PYTHONPATH=. python3 scripts/bench_grouped.py [--tokens 8192] [--out DIR] [--no-dense-loop] [--no-ragged-dot]
+
+Routed rows = tokens x top-8 over 128 experts, balanced and skewed (Zipf 1.2, E/16 empty experts) routing
+(``grouped_gemm.routing_sizes``), for the expert GEMMs C = A . W_e^T: gate / up (N 768, K 2048) and down (N 2048,
+K 768; the dgrads are the same two shapes swapped). TFLOP/s = 2 * routed rows * N * K / median time of
+  ours        fp8_gemm_mgpu.grouped_fp8_gemm: the whole op (rows -> tile buffer, kernel, tile buffer -> rows)
+  ours_kernel fp8_gemm_mgpu.grouped_fp8_gemm_tiles on the tile buffer (the kernel; unused tiles skipped)
+  ours_cross  the kernel with a cross-tile pipeline (computes the unused tiles)
+  dense_loop  a per-expert loop of our dense fp8_gemm (one launch per non-empty expert, on its rows of the tile
+              buffer)
+  ragged_dot  XLA's jax.lax.ragged_dot, BF16 operands (FP32 accumulation, BF16 out)
+  torch_gmm   torch._grouped_mm, BF16 operands (CUDA-event time of a CUDA-graph replay)
+JAX times are CUPTI kernel times (bench_gemm.jax_time_ms, wrapper ops included). Checks: ours against
+``fp8_gemm_reference`` on 4 groups' rows (relative error), and those rows bitwise the dense kernel's (the invariance
+contract); exit code 1 if either fails. Writes bench_grouped.json and .log to --out; the table is printed last.
+Expected runtime on an H200: ~2-3 min (not yet run; mostly compiles: the dense loop compiles one kernel per
+distinct tile count of a group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import fp8jax  # noqa: F401  (sets XLA flags first)
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench_gemm import LOG, fmt, jax_time_ms, log, rel_err, to_torch, torch_time_ms
+from fp8jax import quant
+from pallas_kernels import fp8_gemm_mgpu as mgpu
+from pallas_kernels import grouped_gemm
+from pallas_kernels.fp8_gemm import fp8_gemm_reference
+
+E, TOP_K = 128, 8
+SHAPES = {"gate_up": (768, 2048), "down": (2048, 768)}  # name: (N, K)
+ROUTINGS = {"balanced": 0.0, "skewed": 1.2}
+TOL_BF16 = 5e-3  # tests/test_grouped_kernel.py: BF16 out vs the exact block math
+
+
+def operands(m, n, k, seed=0):
+  kx, kw = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+  w = (jax.random.normal(kw, (E, n, k), jnp.float32) * 0.02).astype(jnp.bfloat16)
+  a_q, a_s = quant.quantize_act(x)
+  qw = quant.quantize_weight(w)
+  return jax.block_until_ready((x, w, a_q, a_s, qw.q, qw.scale))
+
+
+def dense_loop(sizes):
+  """A per-expert loop of the dense kernel on the tile buffer (static sizes): expert e's padded rows (its rows and
+  the zero rows up to the next multiple of 128, which the grouped kernel computes too) -> (P, N) BF16. Padding to
+  128 rows also bounds the compiles to one per distinct tile count."""
+  padded = -(-sizes // 128) * 128
+  off = np.concatenate([[0], np.cumsum(padded)])
+
+  def f(a_q, a_s, b_q, b_s):
+    outs = [mgpu.fp8_gemm(a_q[off[e]:off[e + 1]], a_s[off[e]:off[e + 1]], b_q[e], b_s[e], out_dtype=jnp.bfloat16)
+            for e in range(E) if sizes[e]]
+    return jnp.concatenate(outs)
+  return f
+
+
+def torch_grouped_mm_call(x, w_ExNxK, sizes):
+  import torch  # noqa: PLC0415
+  a, b = to_torch(x), to_torch(w_ExNxK).transpose(-2, -1)  # (E, K, N), K-major like our B
+  offs = torch.from_numpy(np.cumsum(sizes).astype(np.int32)).cuda()
+  return lambda: torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
+
+
+def bench_case(name, routing, tokens, args):
+  n, k = SHAPES[name]
+  sizes = grouped_gemm.routing_sizes(tokens, TOP_K, E, ROUTINGS[routing])
+  m = int(sizes.sum())
+  tf = lambda ms: 2.0 * m * n * k / (ms * 1e-3) / 1e12  # noqa: E731
+  x, w, a_q, a_s, b_q, b_s = operands(m, n, k)
+  sizes_E = jnp.asarray(sizes)
+  row = dict(shape=name, n=n, k=k, routing=routing, rows=m, max_group=int(sizes.max()),
+             empty_groups=int((sizes == 0).sum()), config=str(mgpu._grouped_config(
+                 None, grouped_gemm.padded_rows(m, E), n, k, mgpu._num_sms())))
+  ok = True
+  try:
+    ms, out = jax_time_ms(lambda *o: mgpu.grouped_fp8_gemm(*o, out_dtype=jnp.bfloat16), [(a_q, a_s, b_q, b_s, sizes_E)])
+    row.update(ours=tf(ms), ours_ms=ms)
+    off = np.concatenate([[0], np.cumsum(sizes)])
+    nonempty = [e for e in range(E) if sizes[e]]
+    errs, same = [], True
+    for e in (nonempty[0], nonempty[len(nonempty) // 2], nonempty[-1], int(np.argmax(sizes))):
+      r = slice(off[e], off[e + 1])
+      errs.append(rel_err(out[r], fp8_gemm_reference(a_q[r], a_s[r], b_q[e], b_s[e], out_dtype=jnp.float32)))
+      same &= bool(jnp.all(out[r] == mgpu.fp8_gemm(a_q[r], a_s[r], b_q[e], b_s[e], out_dtype=jnp.bfloat16)))
+    row.update(ours_err=max(errs), dense_bitwise=same)
+    ok = max(errs) <= TOL_BF16 and same
+  except Exception:  # noqa: BLE001
+    log("  ours failed:", traceback.format_exc()[-2500:])
+    ok = False
+  aq_t, as_t, _, tile_expert = jax.block_until_ready(grouped_gemm.tile_operands(a_q, a_s, sizes_E, E))
+  T = mgpu.TuningConfig
+  for key, cfg in (("ours_kernel", None), ("ours_cross", T("m", 128, 2, k_blocks=2, cross_tile=True))):
+    try:
+      ms, _ = jax_time_ms(lambda *o, cfg=cfg: mgpu.grouped_fp8_gemm_tiles(*o, out_dtype=jnp.bfloat16, config=cfg),
+                          [(aq_t, as_t, b_q, b_s, tile_expert)])
+      row[key] = tf(ms)
+    except Exception:  # noqa: BLE001
+      log(f"  {key} failed:", traceback.format_exc()[-1500:])
+  if not args.no_dense_loop:
+    try:
+      ms, _ = jax_time_ms(dense_loop(sizes), [(aq_t, as_t, b_q, b_s)], iters=3)
+      row["dense_loop"] = tf(ms)
+    except Exception:  # noqa: BLE001
+      log("  dense loop failed:", traceback.format_exc()[-1500:])
+  if not args.no_ragged_dot:
+    try:
+      w_t = jnp.swapaxes(w, 1, 2)  # (E, K, N), as ragged_dot takes it
+      rd = lambda x, w_t, s: jax.lax.ragged_dot(x, w_t, s, preferred_element_type=jnp.bfloat16)  # noqa: E731
+      t = time.time()
+      jax.block_until_ready(jax.jit(rd)(x, w_t, sizes_E))
+      if time.time() - t > 20:  # (a dense fallback over all experts would take minutes to time)
+        log(f"  ragged_dot: first call took {time.time() - t:.0f} s; not timed")
+      else:
+        ms, _ = jax_time_ms(rd, [(x, w_t, sizes_E)], iters=3)
+        row["ragged_dot"] = tf(ms)
+    except Exception:  # noqa: BLE001
+      log("  ragged_dot failed:", traceback.format_exc()[-1500:])
+  try:
+    ms, _ = torch_time_ms([torch_grouped_mm_call(x, w, sizes)])
+    row["torch_gmm"] = tf(ms)
+  except Exception:  # noqa: BLE001
+    log("  torch._grouped_mm failed:", traceback.format_exc()[-1500:])
+  if "ours" in row and "torch_gmm" in row:
+    row["ours_vs_torch"] = row["ours"] / row["torch_gmm"]
+  return row, ok
+
+
+def table(rows):
+  cols = ("ours", "ours_kernel", "ours_cross", "dense_loop", "ragged_dot", "torch_gmm")
+  hdr = ("| shape (NxK) | routing | rows (max group, empty) | ours | ours kernel | ours cross-tile | dense loop "
+         "| XLA ragged_dot BF16 | torch._grouped_mm BF16 | ours/torch | err ours | bitwise dense |")
+  lines = [hdr, "|" + "---|" * 12]
+  for r in rows:
+    lines.append("| {} {}x{} | {} | {} ({}, {}) | {} | {} | {:.1e} | {} |".format(
+        r["shape"], r["n"], r["k"], r["routing"], r["rows"], r["max_group"], r["empty_groups"],
+        " | ".join(fmt(r.get(c)) for c in cols), fmt(r.get("ours_vs_torch"), "{:.2f}x"),
+        r.get("ours_err", float("nan")), r.get("dense_bitwise", "-")))
+  return "\n".join(lines)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--tokens", type=int, default=8192, help="tokens per step (routed rows = tokens x 8)")
+  p.add_argument("--shapes", default=",".join(SHAPES))
+  p.add_argument("--routings", default=",".join(ROUTINGS))
+  p.add_argument("--out", default=os.environ.get("OUT", "."))
+  p.add_argument("--no-dense-loop", action="store_true", help="skip the per-expert loop of the dense kernel")
+  p.add_argument("--no-ragged-dot", action="store_true", help="skip XLA's ragged_dot")
+  args = p.parse_args()
+  from fp8jax import ops  # noqa: PLC0415
+  if not ops.hopper_available():
+    print("bench_grouped.py needs an sm_90 (Hopper) GPU", file=sys.stderr)
+    return 2
+  import torch  # noqa: PLC0415
+  log("device:", jax.devices()[0].device_kind, "| jax", jax.__version__, "| torch", torch.__version__,
+      "| cuda", torch.version.cuda, "| date", time.strftime("%Y-%m-%d %H:%M:%S"))
+  rows, bad = [], 0
+  for name in args.shapes.split(","):
+    for routing in args.routings.split(","):
+      t = time.time()
+      row, ok = bench_case(name, routing, args.tokens, args)
+      bad += not ok
+      rows.append(row)
+      log(json.dumps(row), f"({time.time() - t:.1f}s)")
+  with open(os.path.join(args.out, "bench_grouped.json"), "w") as f:
+    json.dump(rows, f, indent=1)
+  with open(os.path.join(args.out, "bench_grouped.log"), "w") as f:
+    f.write("\n".join(LOG))
+  print(f"\nTFLOP/s (2 * routed rows * N * K / median time), {args.tokens} tokens x top-{TOP_K}, {E} experts; "
+        f"err: ours vs the exact block math on 4 groups\n" + table(rows))
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
