@@ -78,7 +78,7 @@ def record_weight_forms(monkeypatch, tr):
   return seen
 
 
-def test_full_rl_step_and_one_engine_mismatch(tmp_path, monkeypatch):
+def test_full_rl_step_and_one_engine_mismatch(tmp_path, monkeypatch, parity_reward):
   tr = trainer_lib.RLTrainer(small_config(), str(tmp_path))
   tr.warmstart()
   seen = record_weight_forms(monkeypatch, tr)
@@ -98,7 +98,7 @@ def test_full_rl_step_and_one_engine_mismatch(tmp_path, monkeypatch):
   assert seen == {"sampler": {"QWeight"}, "trainer": {"FP8Weight"}, "trainer_kv": {True}}, seen
   assert int(tr.state.step) == 1
   changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(tr.state.params))]
-  assert any(changed) or float(m["grad_norm"]) == 0.0
+  assert float(m["grad_norm"]) > 0 and all(changed), (m["grad_norm"], changed)  # rewards with variance move every leaf
   assert tr.kv_scales is not None and np.all(np.asarray(tr.kv_scales[0]) > 0)
   # FP8 KV calibration drew prompts before the rollout, and the rollout still got batch 0 (the old MathSource
   # advanced an iterator, so calibration silently consumed a training batch); the next step gets batch 1.
@@ -140,7 +140,8 @@ def test_kl_beta_zero_skips_reference_forward(tmp_path):
   assert tr.ref_params is None and calls == [8]  # only the mismatch sample, no reference pass
   tr2 = trainer_lib.RLTrainer(small_config(**{"grpo.kl_beta": 0.01}), str(tmp_path / "kl"))
   m = tr2.step(0)
-  assert tr2.ref_params is not None and "kl" in m and float(m["kl"]) >= 0
+  # at the first step the policy is the reference: the KL is 0 up to XLA:CPU's row-count-dependent ulps
+  assert tr2.ref_params is not None and "kl" in m and abs(float(m["kl"])) <= 1e-8, m["kl"]
 
 
 def _run(workdir, steps, trainer_out=None, **over):
