@@ -67,8 +67,8 @@ def sampler_vs_trainer(cfg: ModelConfig, recipe: quant.Recipe, prompts, *, slots
   kv = s.calibrate_kv_scales(sp_params, prompts, 1.25) if recipe.kv_cache == "fp8" else None
   ro = s.generate(sp_params, prompts, sampler.SamplingParams(max_new_tokens=max_new, seed=1), n=samples, kv_scales=kv)
   seq, mask, gen_lp = ro.sequences()
-  trainer_lp = fp8jax.jit(lambda p, t: sampler.trainer_logprobs(quant.mark_fp8(p, recipe), t, cfg, lcfg,
-                                                                kv_scales=kv))(master, jnp.asarray(seq))
+  trainer_lp = fp8jax.jit(lambda p, t: llama.next_token_logprobs(quant.mark_fp8(p, recipe), t, cfg, lcfg,
+                                                                 kv_scales=kv)[0])(master, jnp.asarray(seq))
   m = {k: float(v) for k, v in grpo.mismatch_metrics(jnp.asarray(gen_lp), trainer_lp, jnp.asarray(mask)).items()}
   sel = mask > 0
   m["bitwise_equal_frac"] = float(np.mean(np.asarray(trainer_lp)[sel] == gen_lp[sel]))

@@ -350,8 +350,3 @@ class Sampler:
                    logprobs=np.asarray(state.out_lp), lengths=out_len, finish_reason=np.asarray(state.out_finish),
                    stats=stats)
 
-
-def trainer_logprobs(params, tokens_BxL, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.LinearConfig(),
-                     temperature: float = 1.0, kv_scales=None):
-  """The trainer's log-probs of each next token (B, L-1) (``llama.next_token_logprobs``, what the trainer runs)."""
-  return llama.next_token_logprobs(params, tokens_BxL, cfg, lcfg, temperature=temperature, kv_scales=kv_scales)[0]

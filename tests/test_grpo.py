@@ -383,6 +383,16 @@ class TestPolicyLoss:
   def test_k3_nonnegative(self, l, r):
     assert float(grpo.k3_kl(jnp.float32(l), jnp.float32(r))) >= 0.0
 
+  def test_k3_accurate_for_nearly_equal_policies(self):
+    """k3 ~ d^2 / 2 for small log-ratios d: FP32 ``exp(d) - d - 1`` was off by 10x at d = 1e-4 (its exp rounding,
+    6e-8, against 5e-9) and negative at hypothesis's d = 6e-8; the float64 expm1 is the reference."""
+    for d in (1e-4, -1e-4, 1e-3, -2e-2):
+      d32 = float(np.float32(d))
+      want = math.expm1(d32) - d32
+      got = float(grpo.k3_kl(jnp.float32(0.0), jnp.float32(d)))
+      assert abs(got - want) <= 1e-2 * want, (d, got, want)
+    assert float(grpo.k3_kl(jnp.float32(-5.960464477539063e-08), jnp.float32(0.0))) >= 0.0
+
 
 # ------------------------------------------------------------------------------------------------------------------
 # importance_weights

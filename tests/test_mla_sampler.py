@@ -87,8 +87,9 @@ def test_greedy_latent_decode_equals_argmax_of_full_forwards(master, recipe):
 @functools.cache
 def _trainer_fn(with_scales: bool):
   if with_scales:
-    return fp8jax.jit(lambda p, t, s: smp.trainer_logprobs(p, t, CFG, temperature=SP.temperature, kv_scales=s))
-  return fp8jax.jit(lambda p, t: smp.trainer_logprobs(p, t, CFG, temperature=SP.temperature))
+    return fp8jax.jit(lambda p, t, s: llama.next_token_logprobs(p, t, CFG, temperature=SP.temperature,
+                                                                kv_scales=s)[0])
+  return fp8jax.jit(lambda p, t: llama.next_token_logprobs(p, t, CFG, temperature=SP.temperature)[0])
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])

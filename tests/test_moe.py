@@ -178,7 +178,8 @@ def test_sampler_logprobs_equal_trainer_logprobs(params, recipe, kv):
   scales = s.calibrate_kv_scales(sparams, prompts, margin=1.25) if kv == "fp8" else None
   ro = s.generate(sparams, prompts, sp, n=2, kv_scales=scales)
   seq, mask, old = ro.sequences()
-  train = fp8jax.jit(lambda p, t, sc: smp.trainer_logprobs(p, t, CFG, temperature=sp.temperature, kv_scales=sc))
+  train = fp8jax.jit(lambda p, t, sc: llama.next_token_logprobs(p, t, CFG, temperature=sp.temperature,
+                                                                kv_scales=sc)[0])
   lp = train(quant.mark_fp8(params, rec), jnp.asarray(seq), scales)
   m = grpo.mismatch_metrics(jnp.asarray(old), lp, jnp.asarray(mask))
   assert float(m["nonfinite_tokens"]) == 0 and float(m["max_abs_logp_diff"]) <= 4e-6, m

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8jax import sampler as sampler_lib
+from fp8jax.model import llama
 from fp8jax.rl import parity
 from fp8jax.rl import trainer as trainer_lib
 from test_trainer import REPO, parity_reward, small_config  # noqa: F401  (parity_reward: a fixture)
@@ -41,7 +41,7 @@ def test_recompute_and_is_corrections_change_the_loss_as_the_formulas_say(tmp_pa
   * ``recompute_old_logp`` with is_kind none / tis / icepop: old = the trainer's own log-probs, so in the first
     minibatch the PPO ratio is 1 and ``loss = -sum_t w_t A / N_tok`` with ``w`` the kind's weight of ``r``.
 
-  The trainer's BF16 log-probs are recomputed here independently (``sampler.trainer_logprobs`` on the master
+  The trainer's BF16 log-probs are recomputed here independently (``llama.next_token_logprobs`` on the master
   weights), the generator's come from the rollout, and the weights and losses are evaluated in NumPy.
   """
   c = small_config(**{"fp8.mode": "fp8_rollout", "grpo.is_lo": LO, "grpo.is_hi": HI})
@@ -70,7 +70,7 @@ def test_recompute_and_is_corrections_change_the_loss_as_the_formulas_say(tmp_pa
     np.testing.assert_array_equal(other.tokens, ro.tokens)
   assert len(batches) == 4  # one minibatch per step
   adv_B = batches[0]["adv"]
-  lp = fp8jax.jit(lambda p, t: sampler_lib.trainer_logprobs(p, t, tr.cfg, tr.lcfg, tr.sp.temperature))
+  lp = fp8jax.jit(lambda p, t: llama.next_token_logprobs(p, t, tr.cfg, tr.lcfg, temperature=tr.sp.temperature)[0])
   train_lp = np.asarray(lp(jax.tree.map(jnp.asarray, params0), jnp.asarray(tokens)))
   on = mask > 0
   n_tok = mask.sum()

@@ -65,8 +65,8 @@ def sampler(slots: int, kv: str = "bf16", decode_chunk: int = 8) -> smp.Sampler:
 @functools.cache
 def _trainer_fn(with_kv_scales: bool, temperature: float):
   if with_kv_scales:
-    return fp8jax.jit(lambda p, t, s: smp.trainer_logprobs(p, t, CFG, temperature=temperature, kv_scales=s))
-  return fp8jax.jit(lambda p, t: smp.trainer_logprobs(p, t, CFG, temperature=temperature))
+    return fp8jax.jit(lambda p, t, s: llama.next_token_logprobs(p, t, CFG, temperature=temperature, kv_scales=s)[0])
+  return fp8jax.jit(lambda p, t: llama.next_token_logprobs(p, t, CFG, temperature=temperature)[0])
 
 
 def trainer_mismatch(master, recipe, ro: smp.Rollout, temperature, kv_scales=None) -> dict:
