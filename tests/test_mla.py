@@ -19,6 +19,7 @@ import fp8jax  # noqa: F401  (before any JAX computation)
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from fp8jax import hf, quant
@@ -218,6 +219,28 @@ def test_gradients_reach_mla_and_experts_not_the_bias(models):
   for key in ("router", "expert_gate", "shared_down"):
     assert np.abs(np.asarray(getattr(g1[key], "w", g1[key]))).max() > 0, key
   assert np.all(np.asarray(g1["router_bias"]) == 0)  # a load-balancing buffer, not trained by the loss
+
+
+def test_weight_decay_leaves_the_router_bias_alone(models):
+  """The router bias is a buffer (zero gradient, above): AdamW's decay must not shrink it either. schema.decay_mask
+  excludes it; a dense model needs no mask at all."""
+  from fp8jax.rl import trainer as trainer_lib  # noqa: PLC0415
+
+  _, _, cfg, params = models["qlora_yarn_moe"]
+  mask = schema.decay_mask(cfg)
+  assert mask["layers"][1]["router_bias"] is False and mask["layers"][1]["router"] is True
+  assert schema.decay_mask(ModelConfig(vocab_size=128, dim=128, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=64,
+                                       ffn_dim=256)) is None
+  grads = jax.tree.map(jnp.ones_like, params)
+  grads["layers"][1]["router_bias"] = jnp.zeros_like(params["layers"][1]["router_bias"])
+  oc = trainer_lib.OptimConfig(lr=1e-2, weight_decay=0.1)
+  bias = params["layers"][1]["router_bias"]
+  assert np.abs(np.asarray(bias)).max() > 0  # the imported checkpoint's bias, not zeros
+  for m, kept in ((mask, True), (None, False)):
+    tx, _ = trainer_lib.make_optimizer(oc, 10, m)
+    new = optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
+    assert np.array_equal(np.asarray(new["layers"][1]["router_bias"]), np.asarray(bias)) == kept
+    assert not np.array_equal(np.asarray(new["layers"][1]["router"]), np.asarray(params["layers"][1]["router"]))
 
 
 # ------------------------------------------------------------------------------------------------------------------

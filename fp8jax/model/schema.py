@@ -43,7 +43,9 @@ class Param:
   replaced by the index (``hf_tensors``). ``tensor``: the tensor's name inside its HF module ("weight", or e.g.
   DeepSeek's router buffer "e_score_correction_bias"); ``hf_dtype``: what an export writes it as when it is not
   FP8 (BF16, or FP32 where the checkpoint keeps FP32). ``hf_linear``: the HF module is an ``nn.Linear`` although
-  fp8jax never quantizes it (MLA's kv_b), so a block-FP8 export must name it in ``modules_to_not_convert``."""
+  fp8jax never quantizes it (MLA's kv_b), so a block-FP8 export must name it in ``modules_to_not_convert``.
+  ``trainable=False``: a buffer the model stops the gradient of (DeepSeek's router bias); the optimizer must leave it
+  as it is (no weight decay: ``decay_mask``)."""
 
   key: str
   shape: Callable[[ModelConfig], tuple[int, ...]]
@@ -56,6 +58,7 @@ class Param:
   tensor: str = "weight"
   hf_dtype: str = "bfloat16"
   hf_linear: bool | None = None  # the HF module is an nn.Linear (default: ``linear``); export_fp8 lists kept ones
+  trainable: bool = True
 
   def __post_init__(self):
     if self.init not in INITS:
@@ -187,7 +190,7 @@ LAYER: tuple[Param, ...] = (
     # DeepSeek-V3 MoE: the router's expert-choice bias (a buffer, FP32 in HF checkpoints; not trained by gradient:
     # the model stops its gradient) and the shared experts (one SwiGLU MLP that every token passes).
     Param("router_bias", _vec("n_experts"), REPLICATED, "mlp.gate", init="zeros", present=_moe_sigmoid,
-          tensor="e_score_correction_bias", hf_dtype="float32"),
+          tensor="e_score_correction_bias", hf_dtype="float32", trainable=False),
     Param("shared_gate", _mat("shared_ffn_dim", "dim"), COLUMN, "mlp.shared_experts.gate_proj", linear=True,
           present=_shared_experts),
     Param("shared_up", _mat("shared_ffn_dim", "dim"), COLUMN, "mlp.shared_experts.up_proj", linear=True,
@@ -225,6 +228,16 @@ def param_shapes(cfg: ModelConfig) -> dict:
   """Shapes of every parameter: the params pytree with shape tuples as leaves."""
   top = {p.key: tuple(p.shape(cfg)) for p in TOP if p.present(cfg, None)}
   return {"embed": top.pop("embed"), "layers": [layer_shapes(cfg, i) for i in range(cfg.n_layers)], **top}
+
+
+def decay_mask(cfg: ModelConfig) -> dict | None:
+  """The params pytree of bools, False for the buffers (``trainable=False``) weight decay must not shrink; None when
+  every parameter of ``cfg`` is trainable (the optimizer then needs no mask, and its state keeps its plain form)."""
+  top = {p.key: p.trainable for p in TOP if p.present(cfg, None)}
+  layers = [{p.key: p.trainable for p in LAYER if p.present(cfg, i)} for i in range(cfg.n_layers)]
+  if all(top.values()) and all(v for layer in layers for v in layer.values()):
+    return None
+  return {"embed": top.pop("embed"), "layers": layers, **top}
 
 
 def num_params(cfg: ModelConfig) -> int:

@@ -44,7 +44,7 @@ from fp8jax import distributed, kvcache, ops, quant, sampler as sampler_lib, sha
 from fp8jax.checkpoint import Checkpointer, WorkdirLock
 from fp8jax.config_utils import dataclass_from_group
 from fp8jax.metrics import MetricsWriter, plot
-from fp8jax.model import llama, moe
+from fp8jax.model import llama, moe, schema
 from fp8jax.model.config import ModelConfig
 from fp8jax.rl import grpo
 from fp8jax.rl.source import PromptSource
@@ -116,7 +116,9 @@ class OptimConfig:
   grad_clip: float = 1.0
 
 
-def make_optimizer(oc: OptimConfig, total_steps: int):
+def make_optimizer(oc: OptimConfig, total_steps: int, decay_mask=None):
+  """AdamW (+ global-norm clipping) on ``oc``'s schedule -> (tx, schedule). ``decay_mask``: a params pytree of bools
+  (``schema.decay_mask``), False where weight decay must not apply (buffers with no gradient), or None (all)."""
   if oc.schedule == "constant":
     sched = optax.constant_schedule(oc.lr)
   elif oc.schedule == "warmup_constant":
@@ -128,7 +130,7 @@ def make_optimizer(oc: OptimConfig, total_steps: int):
   else:
     raise ValueError(f"optim.schedule={oc.schedule!r} is not 'constant', 'warmup_constant' or 'cosine'")
   tx = optax.chain(optax.clip_by_global_norm(oc.grad_clip) if oc.grad_clip > 0 else optax.identity(),
-                   optax.adamw(sched, b1=oc.b1, b2=oc.b2, eps=oc.eps, weight_decay=oc.weight_decay))
+                   optax.adamw(sched, b1=oc.b1, b2=oc.b2, eps=oc.eps, weight_decay=oc.weight_decay, mask=decay_mask))
   return tx, sched
 
 
@@ -321,7 +323,7 @@ class RLTrainer:
     self.lcfg = ops.LinearConfig.from_recipe(self.recipe, mesh=self.mesh)  # scale format, backend: both engines
     self.sampler = sampler_lib.Sampler(self.cfg, self.scfg, self.lcfg)
     self.total_steps = int(config.train.steps)
-    self.tx, self.lr_sched = make_optimizer(self.oc, self.total_steps)
+    self.tx, self.lr_sched = make_optimizer(self.oc, self.total_steps, schema.decay_mask(self.cfg))
     self._build_steps()
     self.warm_done = False
     self.state = self._init_state()
