@@ -89,7 +89,7 @@ def _k3(d):
   """``e^d - d - 1`` of a log-ratio ``d`` (k3_kl's formula, shared by mismatch_metrics' gen_kl_error), computed as
   ``expm1(d) - d``: in FP32, ``exp(d) - d - 1`` loses everything to cancellation where it matters most (|d| < 1e-3,
   nearly equal policies: at d = 1e-4 the true 5e-9 drowns in exp's 6e-8 rounding) and can come out negative
-  (d = 6e-8 gave -6e-8); ``expm1(d) >= d`` holds after rounding, so this is >= 0 and accurate to ~ulp(d) / d^2."""
+  (d = 6e-8 gave -6e-8); ``expm1(d) >= d`` holds after rounding, so this is >= 0, with relative error ~ulp(d) / d^2."""
   return jnp.expm1(d) - d
 
 
