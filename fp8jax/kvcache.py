@@ -112,6 +112,12 @@ def _codes_bwd(scale, g):
 kv_codes.defvjp(_codes_fwd, _codes_bwd)
 
 
+def store(cache_BxSxHxD: jax.Array, new_BxTxHxD: jax.Array, scale, positions_BxT: jax.Array) -> jax.Array:
+  """``write`` of the new entries as the cache holds them: E4M3 codes of ``quantize_kv(new, scale)`` for an FP8
+  cache (``scale`` its layer's scale), the values themselves for a BF16 one (``scale`` None)."""
+  return write(cache_BxSxHxD, new_BxTxHxD if scale is None else quantize_kv(new_BxTxHxD, scale), positions_BxT)
+
+
 def write(cache_BxSxHxD: jax.Array, new_BxTxHxD: jax.Array, positions_BxT: jax.Array) -> jax.Array:
   """Writes each row's new entries at their positions (positions >= max_len are dropped)."""
   b_idx = jnp.arange(new_BxTxHxD.shape[0])[:, None]

@@ -73,7 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import grouped_gemm
-from pallas_kernels.fp8_gemm import BLOCK, check_operands
+from pallas_kernels.fp8_gemm import BLOCK, check_operands, num_blocks
 
 WG_M = 64  # rows of C per consumer warpgroup: one m64 wgmma row block.
 # Tile scales are replicated 32x along N: 32 x f32 = 128 bytes, so that every slot of the scale ring in SMEM
@@ -530,7 +530,7 @@ def _validate_grouped(a_q_PxK, a_s_PxKb, b_q_ExNxK, b_s_ExNbxKb, tile_expert_T):
     raise ValueError(f"grouped_fp8_gemm: B must be stacked (E, N, K) with tile scales (E, N/128, K/128), got B "
                      f"{tuple(b_q_ExNxK.shape)} and scales {tuple(b_s_ExNbxKb.shape)}")
   n = b_q_ExNxK.shape[1]
-  if b_s_ExNbxKb.shape[1] != -(-n // BLOCK):
+  if b_s_ExNbxKb.shape[1] != num_blocks(n):
     raise ValueError(f"grouped_fp8_gemm: B scales must be 128x128 tile scales (E, ceil(N/128), K/128) for B "
                      f"{tuple(b_q_ExNxK.shape)}, got {tuple(b_s_ExNbxKb.shape)} (no row-scale / wgrad mode)")
   sds = jax.ShapeDtypeStruct

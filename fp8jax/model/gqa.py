@@ -45,14 +45,8 @@ def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, la
     out = attn.attend(q, k, v, None if own_positions else positions_BxT, k_scale=sk, v_scale=sv,
                       backend=cfg.attn_backend, mesh=lcfg.mesh)
   else:
-    ck, cv = cache.k[layer], cache.v[layer]
-    sk = sv = None
-    if cache.is_fp8:
-      sk, sv = cache.k_scale_L[layer], cache.v_scale_L[layer]
-      ck = kvc.write(ck, kvc.quantize_kv(k, sk), positions_BxT)
-      cv = kvc.write(cv, kvc.quantize_kv(v, sv), positions_BxT)
-    else:
-      ck, cv = kvc.write(ck, k, positions_BxT), kvc.write(cv, v, positions_BxT)
+    sk, sv = (cache.k_scale_L[layer], cache.v_scale_L[layer]) if cache.is_fp8 else (None, None)
+    ck, cv = kvc.store(cache.k[layer], k, sk, positions_BxT), kvc.store(cache.v[layer], v, sv, positions_BxT)
     new_layer = (ck, cv)
     out = attn.attend(q, ck, cv, positions_BxT, k_scale=sk, v_scale=sv, backend=cfg.attn_backend, mesh=lcfg.mesh)
   return ops.linear(out.reshape(b, t, hq * hd), p["wo"], lcfg, PARALLEL["wo"]), new_layer, amax

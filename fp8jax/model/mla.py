@@ -103,12 +103,8 @@ def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, la
     out = attn.attend(q_abs, key, key, None if own_positions else positions_BxT, k_scale=s, v_scale=s, sm_scale=sm,
                       backend=cfg.attn_backend, mesh=lcfg.mesh)
   else:
-    ck, s = cache.k[layer], None
-    if cache.is_fp8:
-      s = cache.k_scale_L[layer]
-      ck = kvc.write(ck, kvc.quantize_kv(key, s), positions_BxT)
-    else:
-      ck = kvc.write(ck, key, positions_BxT)
+    s = cache.k_scale_L[layer] if cache.is_fp8 else None
+    ck = kvc.store(cache.k[layer], key, s, positions_BxT)
     new_layer = (ck, None)
     out = attn.attend(q_abs, ck, ck, positions_BxT, k_scale=s, v_scale=s, sm_scale=sm, backend=cfg.attn_backend,
                       mesh=lcfg.mesh)

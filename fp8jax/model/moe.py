@@ -93,7 +93,8 @@ def moe(p, x_BxTxD, cfg: ModelConfig, lcfg: ops.LinearConfig, mask_BxT=None):
   h = jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up
   ys = ops.grouped_linear(h, p["expert_down"], sizes_E, lcfg)
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-  y = ys[inverse].reshape(b * t, k, d).astype(jnp.float32) * weights_Mxk.astype(jnp.float32)[..., None]  # exact (softmax)
+  # exact for the softmax router's BF16 weights (BF16 x BF16 fits FP32); the sigmoid router's are FP32 already
+  y = ys[inverse].reshape(b * t, k, d).astype(jnp.float32) * weights_Mxk.astype(jnp.float32)[..., None]
   out = y[:, 0]
   for slot in range(1, k):  # adds in a fixed order: a reduce's order may follow the shape (seen: decode != training)
     out = out + y[:, slot]
