@@ -435,16 +435,18 @@ def main(argv=None):
   master = llama.init_params(cfg, seed=a.seed, dtype=jnp.bfloat16)
   jax.block_until_ready(master)
   log(f"random BF16 weights: {time.perf_counter() - t0:.1f} s")
+  # the sampling weights by recipe mode (kv_cache and the backends leave them alone)
   params = {"bf16": smp.prepare_params(master, CONFIGS["bf16"][0])}  # BF16 weights alias the master's buffers
-  if any(c != "bf16" for c in a.configs):
+  if any(CONFIGS[c][0].mode == "fp8" for c in a.configs):
     t0 = time.perf_counter()
-    params["fp8"] = params["fp8kv"] = smp.prepare_params(master, quant.Recipe())  # kv_cache leaves weights alone
+    params["fp8"] = smp.prepare_params(master, quant.Recipe())
     jax.block_until_ready(params["fp8"])
     log(f"quantize_params: {time.perf_counter() - t0:.1f} s")
   kv_scales = None
-  if "fp8kv" in a.configs:
+  fp8_kv = [c for c in a.configs if CONFIGS[c][1] == "fp8"]
+  if fp8_kv:
     t0 = time.perf_counter()
-    kv_scales = get_sampler(a, cfg, "fp8kv").calibrate_kv_scales(params["fp8"], prompts[:8], margin=a.kv_margin)
+    kv_scales = get_sampler(a, cfg, fp8_kv[0]).calibrate_kv_scales(params["fp8"], prompts[:8], margin=a.kv_margin)
     log(f"KV scales calibrated on 8 prompts ({time.perf_counter() - t0:.1f} s): K {np.asarray(kv_scales[0])[:4]}.., "
         f"V {np.asarray(kv_scales[1])[:4]}..")
   # Headline runs first (uniform, then the tunix peer), then the long tail: a budget cut drops the least important.
@@ -465,7 +467,7 @@ def main(argv=None):
     name, w = order[i]
     if over_budget(f"{name}/{w}"):
       continue
-    out["fp8jax"].append(timed(run_fp8jax, a, cfg, name, params[name], prompts, w,
+    out["fp8jax"].append(timed(run_fp8jax, a, cfg, name, params[CONFIGS[name][0].mode], prompts, w,
                                kv_scales if CONFIGS[name][1] == "fp8" else None))
     save(a, out)
   meta["gemm_backends"] = ops.backend_report()
