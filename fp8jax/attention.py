@@ -86,7 +86,7 @@ def _flash_train_bwd(cfg, res, do):
 _flash_train.defvjp(_flash_train_fwd, _flash_train_bwd)
 
 
-def _per_device(fn, mesh, q, k, n_batched: int, n_replicated: int = 2):
+def _per_device(fn, mesh, q, k, n_batched: int, n_replicated: int = 2, paged: bool = False):
   """``fn`` per device under ``shard_map`` (``sharding.per_device``), else ``fn`` as is.
 
   Pallas kernels are opaque to XLA's SPMD partitioner: inside a sharded jit their operands would be gathered and
@@ -95,7 +95,8 @@ def _per_device(fn, mesh, q, k, n_batched: int, n_replicated: int = 2):
   axis that divides both the query and the KV heads, its own heads (the tensor-parallel layout of wq/wk/wv, whose
   contiguous head blocks keep each query head with its KV head): the same computation, bitwise, the kernels being
   batch invariant. The first ``n_batched`` operands are (B, T, H, D) activations / caches (positions (B, T)), the
-  next ``n_replicated`` replicated scalars.
+  next ``n_replicated`` replicated scalars. ``paged``: k/v are page pools shared by all sequences (split by heads
+  only; each device holds every page) and a (B, Nb) page table follows the scalars, split like the positions.
   """
   axes = sharding.split_batch_axes(mesh, q.shape[0])
   tp = sharding.tensor_axis(mesh)
@@ -105,12 +106,13 @@ def _per_device(fn, mesh, q, k, n_batched: int, n_replicated: int = 2):
     return fn
   P = jax.sharding.PartitionSpec
   heads = P(axes, None, tp, None)
-  batched = (heads, heads, heads, P(axes, None))[:n_batched]
-  return sharding.per_device(fn, mesh, batched + (P(),) * n_replicated, heads)
+  kv = P(None, None, tp, None) if paged else heads
+  batched = (heads, kv, kv, P(axes, None))[:n_batched]
+  return sharding.per_device(fn, mesh, batched + (P(),) * n_replicated + ((P(axes, None),) if paged else ()), heads)
 
 
 def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None, v_scale=None,
-           sm_scale: float | None = None, backend: str = "auto", mesh=None):
+           sm_scale: float | None = None, backend: str = "auto", mesh=None, page_table=None):
   """Causal GQA attention -> out_BxTxHxD in q's dtype (contract: ``pallas_kernels.attention``).
 
   positions_BxT=None: the training form, queries and keys are the same T positions 0..T-1 (differentiable in q, k,
@@ -119,23 +121,30 @@ def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None,
   ``mesh``: with the pallas backend on a multi-device mesh, each device attends its own sequences (and heads).
   ``sm_scale``: the softmax scale (a Python float; default 1/sqrt(D)): MLA's absorbed form attends over
   kv_lora_rank + qk_rope_head_dim dims but scales by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) (x YaRN's mscale^2).
+  ``page_table`` (B, Nb) int32: the paged cache form (``fp8jax.kvcache``): k/v are page pools (N, key block, K, D)
+  and key block n of row b is page page_table[b, n]; positions_BxT is required (forward only).
   """
   b, t, h, d = q_BxTxHxD.shape
+  if page_table is not None and positions_BxT is None:
+    raise ValueError("attend: a page table (the paged cache form) needs positions_BxT")
   if positions_BxT is None and k_BxSxKxD.shape[1] != t:
     raise ValueError(f"attend: the training form (no positions) needs as many keys as queries, got q "
                      f"{q_BxTxHxD.shape} and k {k_BxSxKxD.shape}; pass positions_BxT for a cache")
   pos = _positions(q_BxTxHxD) if positions_BxT is None else positions_BxT.astype(jnp.int32)
-  ref.check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos)
   qk_scale, vs = _scales(d, k_scale, v_scale, sm_scale)
   if resolve_backend(backend, q_BxTxHxD, k_BxSxKxD) == "xla":
-    return ref.attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, qk_scale, vs)[0]
+    return ref.attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, qk_scale, vs, page_table_BxNb=page_table)[0]
+  ref.check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, page_table, ref.BLOCK_KV)
   kern = _kernels()
   cfg = kern.TuningConfig()
   if positions_BxT is None:
     fn = lambda q, k, v, qs, s: _flash_train(q, k, v, qs, s, cfg)  # noqa: E731
     return _per_device(fn, mesh, q_BxTxHxD, k_BxSxKxD, 3)(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, qk_scale, vs)
   if t == 1:
-    fn = lambda q, k, v, p, qs, s: kern.attention_heads(q[:, 0], k, v, p[:, 0], qs, s, config=cfg)[:, None]  # noqa
+    fn = lambda q, k, v, p, qs, s, *pt: kern.attention_heads(q[:, 0], k, v, p[:, 0], qs, s, *pt,  # noqa: E731
+                                                            config=cfg)[:, None]
   else:
-    fn = lambda q, k, v, p, qs, s: kern.attention_seq(q, k, v, p, qs, s, config=cfg)[0]  # noqa: E731
-  return _per_device(fn, mesh, q_BxTxHxD, k_BxSxKxD, 4)(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, qk_scale, vs)
+    fn = lambda q, k, v, p, qs, s, *pt: kern.attention_seq(q, k, v, p, qs, s, *pt, config=cfg)[0]  # noqa: E731
+  paged = page_table is not None
+  return _per_device(fn, mesh, q_BxTxHxD, k_BxSxKxD, 4, paged=paged)(
+      q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, qk_scale, vs, *((page_table.astype(jnp.int32),) if paged else ()))

@@ -6,6 +6,11 @@ The length is the requested ``max_len`` rounded up to the attention op's key blo
 kernels, 16 for the CPU reference), so attention reads whole blocks without a padded copy of the cache; the sampler
 still stops sequences at its max_len.
 
+Paged (the sampler's cache): per layer a pool of pages (n_pages, P, n_kv_heads, head_dim), P = the attention key
+block, and ``page_table`` (slots, Nb): key block n of slot s is page page_table[s, n]. Pages of a prompt are shared by
+its samples (written once at prefill); attention reads through the table (``fp8jax.attention.attend(page_table=)``),
+block by block in the same order as a dense row, so paging changes no bit. A dense cache has ``page_table`` None.
+
 MLA (``fp8jax.model.mla``): one latent per token and layer, (slots, length, 1, kv_lora_rank + qk_rope_head_dim) in
 ``k``, and no ``v`` (an empty list): the absorbed attention reads the latent as keys and its first kv_lora_rank dims
 as values. An FP8 latent cache has one scale per layer (``k_scale_L``), applied to the scores and the output.
@@ -36,10 +41,11 @@ from pallas_kernels.attention import key_block
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-  k: list  # per layer (B, S, Hkv, hd), bf16 or float8_e4m3fn
+  k: list  # per layer (B, S, Hkv, hd), bf16 or float8_e4m3fn; paged: (n_pages, P, Hkv, hd)
   v: list  # the same, or [] for an MLA latent cache
   k_scale_L: jax.Array  # (L,) FP32; ones for a BF16 cache
   v_scale_L: jax.Array
+  page_table: jax.Array | None = None  # (B, Nb) int32 for a paged cache
 
   @property
   def is_fp8(self) -> bool:
@@ -48,11 +54,13 @@ class KVCache:
   @property
   def max_len(self) -> int:
     """Allocated positions per slot (``padded_len`` of the requested length)."""
+    if self.page_table is not None:
+      return self.page_table.shape[1] * self.k[0].shape[1]
     return self.k[0].shape[1]
 
   @property
   def slots(self) -> int:
-    return self.k[0].shape[0]
+    return self.k[0].shape[0] if self.page_table is None else self.page_table.shape[0]
 
 
 def padded_len(max_len: int) -> int:
@@ -64,6 +72,22 @@ def padded_len(max_len: int) -> int:
 def cache_bytes(n_layers: int, slots: int, max_len: int, n_kv_heads: int, head_dim: int, fp8: bool,
                 values: bool = True) -> int:
   return (1 + values) * n_layers * slots * padded_len(max_len) * n_kv_heads * head_dim * (1 if fp8 else 2)
+
+
+def init_pages(n_layers: int, n_pages: int, page_table, n_kv_heads: int, head_dim: int, *, fp8: bool,
+               k_scale_L=None, v_scale_L=None, dtype=jnp.bfloat16, values: bool = True) -> KVCache:
+  """A paged cache of ``n_pages`` zeroed pages of ``key_block()`` positions (``page_table`` (slots, Nb) names them)."""
+  c = init_cache(n_layers, n_pages, key_block(), n_kv_heads, head_dim, fp8=fp8, k_scale_L=k_scale_L,
+                 v_scale_L=v_scale_L, dtype=dtype, values=values)
+  return dataclasses.replace(c, page_table=jnp.asarray(page_table, jnp.int32))
+
+
+def copy_pages(cache: KVCache, src_N, dst_N) -> KVCache:
+  """Page dst[i] := page src[i] in every layer (dst out of range: dropped), in place where the cache is donated."""
+  def cp(x):
+    return x.at[dst_N].set(x[jnp.clip(src_N, 0, x.shape[0] - 1)], mode="drop")
+
+  return dataclasses.replace(cache, k=[cp(x) for x in cache.k], v=[cp(x) for x in cache.v])
 
 
 def init_cache(n_layers: int, slots: int, max_len: int, n_kv_heads: int, head_dim: int, *, fp8: bool,
@@ -112,13 +136,23 @@ def _codes_bwd(scale, g):
 kv_codes.defvjp(_codes_fwd, _codes_bwd)
 
 
-def store(cache_BxSxHxD: jax.Array, new_BxTxHxD: jax.Array, scale, positions_BxT: jax.Array) -> jax.Array:
+def store(cache_BxSxHxD: jax.Array, new_BxTxHxD: jax.Array, scale, positions_BxT: jax.Array,
+          page_table=None) -> jax.Array:
   """``write`` of the new entries as the cache holds them: E4M3 codes of ``quantize_kv(new, scale)`` for an FP8
   cache (``scale`` its layer's scale), the values themselves for a BF16 one (``scale`` None)."""
-  return write(cache_BxSxHxD, new_BxTxHxD if scale is None else quantize_kv(new_BxTxHxD, scale), positions_BxT)
+  return write(cache_BxSxHxD, new_BxTxHxD if scale is None else quantize_kv(new_BxTxHxD, scale), positions_BxT,
+               page_table)
 
 
-def write(cache_BxSxHxD: jax.Array, new_BxTxHxD: jax.Array, positions_BxT: jax.Array) -> jax.Array:
-  """Writes each row's new entries at their positions (positions >= max_len are dropped)."""
-  b_idx = jnp.arange(new_BxTxHxD.shape[0])[:, None]
-  return cache_BxSxHxD.at[b_idx, positions_BxT].set(new_BxTxHxD.astype(cache_BxSxHxD.dtype), mode="drop")
+def write(cache_BxSxHxD: jax.Array, new_BxTxHxD: jax.Array, positions_BxT: jax.Array, page_table=None) -> jax.Array:
+  """Writes each row's new entries at their positions (positions >= max_len are dropped). Paged (``page_table``
+  (B, Nb)): position p of row b goes to offset p % P of page page_table[b, p // P]."""
+  new = new_BxTxHxD.astype(cache_BxSxHxD.dtype)
+  if page_table is None:
+    b_idx = jnp.arange(new_BxTxHxD.shape[0])[:, None]
+    return cache_BxSxHxD.at[b_idx, positions_BxT].set(new, mode="drop")
+  p, nb = cache_BxSxHxD.shape[1], page_table.shape[1]
+  blk = positions_BxT // p
+  page = jnp.take_along_axis(page_table, jnp.clip(blk, 0, nb - 1), axis=1)
+  page = jnp.where((positions_BxT >= 0) & (blk < nb), page, cache_BxSxHxD.shape[0])  # out of range: dropped
+  return cache_BxSxHxD.at[page, positions_BxT % p].set(new, mode="drop")

@@ -9,6 +9,9 @@ Operands (one layout for training, prefill and decode):
   v_scale        FP32 scalar multiplied into the output (the FP8 cache's V scale; 1 for BF16 values).
   H = G * K: query head h reads key/value head h // G.
 A query row at position p sees keys j <= p.
+Paged form (the sampler's paged KV cache, ``fp8jax.kvcache``): k/v are pools of pages (N, bk, K, D), one page per
+key block, and ``page_table_BxNb`` names the page that holds keys [bk n, bk n + bk) of sequence b. The page size is
+the key block, so a paged row visits the same blocks in the same order as a dense row over the same keys: same bits.
 
 Math (the contract every backend follows, so that a row's result does not depend on anything but its own query,
 its position and the keys it sees):
@@ -49,12 +52,22 @@ def key_block() -> int:
   return CPU_BLOCK_KV if jax.default_backend() == "cpu" else BLOCK_KV
 
 
-def check_operands(q, k, v, q_pos):
-  """Shape/dtype checks shared by the reference and the kernels; raises naming the offending shapes."""
+def check_operands(q, k, v, q_pos, page_table=None, block_kv: int | None = None):
+  """Shape/dtype checks shared by the reference and the kernels; raises naming the offending shapes.
+
+  ``page_table`` (B, Nb) int32: k/v are page pools (N, block_kv, K, D) (the paged form, module docstring)."""
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"attention takes q (B, T, H, D), k/v (B, S, K, D); got q {q.shape}, k {k.shape}, v {v.shape}")
   b, t, h, d = q.shape
-  if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+  if page_table is not None:
+    bk = block_kv or key_block()
+    if page_table.ndim != 2 or page_table.shape[0] != b or not jnp.issubdtype(page_table.dtype, jnp.integer):
+      raise ValueError(f"attention: page_table must be integer (B={b}, pages per sequence), got "
+                       f"{page_table.dtype}{tuple(page_table.shape)} for q {q.shape}")
+    if k.shape != v.shape or k.shape[1] != bk or k.shape[3] != d:
+      raise ValueError(f"attention: paged k {k.shape} and v {v.shape} must both be (pages, {bk} (the key block), K, "
+                       f"D={d}) for q {q.shape}")
+  elif k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
     raise ValueError(f"attention: k {k.shape} and v {v.shape} must both be (B={b}, S, K, D={d}) for q {q.shape}")
   if h % k.shape[2]:
     raise ValueError(f"attention: {h} query heads are not a multiple of {k.shape[2]} key/value heads (q {q.shape}, "
@@ -117,9 +130,10 @@ def _init(lead, r, d):
           jnp.zeros((*lead, r, d), jnp.float32))
 
 
-def _attend_rows_tiled(q_BxKxRxD, kb, vb, pos_BxR, last_B, qk_scale, g: int):
+def _attend_rows_tiled(q_BxKxRxD, k_pages, v_pages, table_BxNb, pos_BxR, last_B, qk_scale, g: int):
   """The same (m, l, acc), forward only, with every row computed by one fixed-shape body (XLA:CPU exactness).
 
+  Keys come as pages (N, bk, K, D) and a page table (B, Nb) (a dense cache is the table b * Nb + n).
   Tiles are the G rows (heads) of one (sequence, key/value head, position); a ``lax.map`` step computes
   TILE_ROWS // G of them, the tile count padded with empty tiles so that every step is full; in a step the key
   blocks run up to the step's last position only (later blocks would be skipped by every row anyway).
@@ -133,11 +147,12 @@ def _attend_rows_tiled(q_BxKxRxD, kb, vb, pos_BxR, last_B, qk_scale, g: int):
                   constant_values=-1).reshape(-1, n, g)
   tb = jnp.pad(jnp.repeat(jnp.arange(b, dtype=jnp.int32), n_kv * (r // g)), (0, pad)).reshape(-1, n)
   tk = jnp.pad(jnp.tile(jnp.repeat(jnp.arange(n_kv, dtype=jnp.int32), r // g), b), (0, pad)).reshape(-1, n)
-  bk, nb = kb.shape[-2], kb.shape[0]
+  bk, nb = k_pages.shape[1], table_BxNb.shape[1]
 
   def step(xs):
     q1, p1, bi, ki = xs
-    kbt, vbt, last = kb[:, bi, ki], vb[:, bi, ki], last_B[bi]
+    pages = table_BxNb[bi].T  # (Nb, n): the step's sequences' pages, block by block
+    kbt, vbt, last = k_pages[pages, :, ki], v_pages[pages, :, ki], last_B[bi]  # (Nb, n, bk, D)
     blocks = jnp.clip(jax.lax.div(jnp.max(p1) + bk, bk), 0, nb)
     return jax.lax.fori_loop(0, blocks, lambda j, c: _block_update(c, q1, kbt[j], vbt[j], j * bk, p1, last,
                                                                    qk_scale), _init((n,), g, d))
@@ -156,20 +171,38 @@ def _finish(m, l, acc, v_scale, dtype, b, t, h, g):
   return out, lse.transpose(0, 1, 3, 2).reshape(b, h, t)
 
 
-def _reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, block_kv: int, tiled: bool):
+def as_pages(x_BxSxKxD, block: int):
+  """A dense (B, S, K, D) cache as (pages (B * Nb, block, K, D), page table (B, Nb)): the paged form of the same keys."""
+  x = pad_keys(x_BxSxKxD, block)
+  b, s, n_kv, d = x.shape
+  nb = s // block
+  return x.reshape(b * nb, block, n_kv, d), jnp.arange(b * nb, dtype=jnp.int32).reshape(b, nb)
+
+
+def dense_view(pages_NxPxKxD, table_BxNb):
+  """The (B, Nb * P, K, D) keys a page table names (a gathered copy)."""
+  x = pages_NxPxKxD[table_BxNb]
+  b, nb, p, n_kv, d = x.shape
+  return x.reshape(b, nb * p, n_kv, d)
+
+
+def _reference(q_BxTxHxD, k, v, q_pos_BxT, qk_scale, v_scale, block_kv: int, tiled: bool, table=None):
   b, t, h, d = q_BxTxHxD.shape
-  n_kv = k_BxSxKxD.shape[2]
+  n_kv = k.shape[2]
   g, r = h // n_kv, t * (h // n_kv)
-  k, v = pad_keys(k_BxSxKxD, block_kv), pad_keys(v_BxSxKxD, block_kv)
-  nb = k.shape[1] // block_kv
   q_BxKxRxD = q_BxTxHxD.reshape(b, t, n_kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, n_kv, r, d)
   pos = q_pos_BxT.astype(jnp.int32)
   pos_BxR, last_B = jnp.repeat(pos, g, axis=1), jnp.max(pos, axis=1)
   qk_scale = jnp.asarray(qk_scale, jnp.float32)
-  kb, vb = (x.reshape(b, nb, block_kv, n_kv, d).transpose(1, 0, 3, 2, 4) for x in (k, v))  # (Nb, B, K, bk, D)
   if tiled:
-    m, l, acc = _attend_rows_tiled(q_BxKxRxD, kb, vb, pos_BxR, last_B, qk_scale, g)
+    (k, tab), (v, _) = ((x, table) if table is not None else as_pages(x, block_kv) for x in (k, v))
+    m, l, acc = _attend_rows_tiled(q_BxKxRxD, k, v, tab, pos_BxR, last_B, qk_scale, g)
   else:
+    if table is not None:
+      k, v = dense_view(k, table), dense_view(v, table)
+    k, v = pad_keys(k, block_kv), pad_keys(v, block_kv)
+    nb = k.shape[1] // block_kv
+    kb, vb = (x.reshape(b, nb, block_kv, n_kv, d).transpose(1, 0, 3, 2, 4) for x in (k, v))  # (Nb, B, K, bk, D)
     m, l, acc = _attend_rows(q_BxKxRxD, kb, vb, pos_BxR[:, None], last_B[:, None], qk_scale)
   return _finish(m, l, acc, v_scale, q_BxTxHxD.dtype, b, t, h, g)
 
@@ -193,7 +226,8 @@ def _reference_cpu_bwd(block_kv, res, cts):
 _reference_cpu.defvjp(_reference_cpu_fwd, _reference_cpu_bwd)
 
 
-def attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, *, block_kv: int | None = None):
+def attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, *, block_kv: int | None = None,
+                        page_table_BxNb=None):
   """The contract in plain jnp (module docstring) -> (out_BxTxHxD in q's dtype, lse_BxHxT FP32 in log2 units).
 
   Rows are the (position, head) pairs of each (sequence, key/value head). On GPUs (where the kernels provide the
@@ -207,9 +241,15 @@ def attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_
   gradient is JAX autodiff of the vectorized math (on CPU through a custom VJP), the independent reference for the
   kernels' backward pass. It keeps each block's scores for the backward, so it is for tests, CPU runs and fallbacks,
   not for 4096-token training on a GPU.
+
+  ``page_table_BxNb``: k/v are page pools (the paged form; forward only): on CPU each tile reads its sequences'
+  pages, elsewhere the table's keys are gathered into a dense copy first.
   """
-  check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT)
   block_kv = block_kv or key_block()
+  check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, page_table_BxNb, block_kv)
+  if page_table_BxNb is not None:
+    return _reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, block_kv,
+                      tiled=jax.default_backend() == "cpu", table=page_table_BxNb.astype(jnp.int32))
   if jax.default_backend() != "cpu":
     return _reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, block_kv, tiled=False)
   return _reference_cpu(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT.astype(jnp.int32),

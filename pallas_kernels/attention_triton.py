@@ -123,9 +123,12 @@ def _update(carry, q, kb, vb, start, key, pos, last, qk_scale, *, masked: bool):
   return (jnp.where(active, m_new, m), jnp.where(active, l_new, l), jnp.where(active[:, None], acc_new, acc))
 
 
-def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int):
+def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_ref=None):
   """(block_q, D) query rows at positions ``pos`` over key/value head ``kvh`` of sequence ``b`` ->
-  (out (block_q, D) in q's dtype, lse (block_q,) FP32 log2 units; +inf for a row that sees no key)."""
+  (out (block_q, D) in q's dtype, lse (block_q,) FP32 log2 units; +inf for a row that sees no key).
+
+  ``pt_ref``: the paged form, k/v refs are page pools (N, BLOCK_KV, K, D) and key block j of sequence b is page
+  ``pt_ref[b, j]`` (the same blocks in the same order: the same bits as the dense form)."""
   bq, d = q.shape
   last = jnp.max(pos)
   big = jnp.int32(2**30)
@@ -137,9 +140,12 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int):
 
   def block(j, carry, masked):
     start = pl.multiple_of(j * BLOCK_KV, BLOCK_KV)
-    keys = pl.ds(start, BLOCK_KV)
-    kb = k_ref[b, keys, kvh, :].astype(q.dtype)
-    vb = v_ref[b, keys, kvh, :].astype(q.dtype)
+    if pt_ref is None:
+      keys = pl.ds(start, BLOCK_KV)
+      kb, vb = k_ref[b, keys, kvh, :].astype(q.dtype), v_ref[b, keys, kvh, :].astype(q.dtype)
+    else:
+      page = pt_ref[b, j]
+      kb, vb = k_ref[page, :, kvh, :].astype(q.dtype), v_ref[page, :, kvh, :].astype(q.dtype)
     key = start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0)
     return _update(carry, q, kb, vb, start, key, pos, last, qk_scale, masked=masked)
 
@@ -153,19 +159,22 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int):
   return out, lse
 
 
-def _seq_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, o_ref, lse_ref, *, g: int, n_kb: int, bq: int):
+def _seq_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool):
+  pt_ref, (o_ref, lse_ref) = (rest[0], rest[1:]) if paged else (None, rest)
   b, h, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
   out, lse = _attend_tile(q_ref[b, rows, h, :], pos_ref[b, rows], k_ref, v_ref, b, lax.div(h, g), sc_ref[0],
-                          sc_ref[1], n_kb)
+                          sc_ref[1], n_kb, pt_ref)
   o_ref[b, rows, h, :] = out
   lse_ref[b, h, rows] = lse
 
 
-def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, o_ref, *, n_kb: int, bq: int):
+def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, n_kb: int, bq: int, paged: bool):
+  pt_ref, o_ref = (rest[0], rest[1]) if paged else (None, rest[0])
   b, kvh, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
-  out, _ = _attend_tile(q_ref[b, kvh, rows, :], pos_ref[b, rows], k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb)
+  out, _ = _attend_tile(q_ref[b, kvh, rows, :], pos_ref[b, rows], k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb,
+                        pt_ref)
   o_ref[b, kvh, rows, :] = out
 
 
@@ -187,47 +196,59 @@ def _pad_rows(x, axis: int, multiple: int, value=0):
   return jnp.pad(x, widths, constant_values=value)
 
 
+def _keys(k, v, page_table):
+  """(k, v, extra operands, key blocks per sequence): dense caches padded to whole blocks, or page pools as they are."""
+  if page_table is None:
+    k, v = pad_keys(k, BLOCK_KV), pad_keys(v, BLOCK_KV)
+    return k, v, (), k.shape[1] // BLOCK_KV
+  return k, v, (page_table.astype(jnp.int32),), page_table.shape[1]
+
+
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def attention_seq(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, *,
+def attention_seq(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, page_table_BxNb=None, *,
                   config: TuningConfig = TuningConfig(), interpret: bool = False):
-  """Rows = positions of one head (training, prefill) -> (out_BxTxHxD, lse_BxHxT FP32, log2 units)."""
-  check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT)
+  """Rows = positions of one head (training, prefill) -> (out_BxTxHxD, lse_BxHxT FP32, log2 units).
+
+  ``page_table_BxNb``: k/v are page pools (N, BLOCK_KV, K, D) (the paged form of ``pallas_kernels.attention``)."""
+  check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, page_table_BxNb, BLOCK_KV)
   b, t, h, d = q_BxTxHxD.shape
   g = h // k_BxSxKxD.shape[2]
   q = _pad_rows(q_BxTxHxD, 1, BLOCK_KV)
   pos = _pad_rows(q_pos_BxT.astype(jnp.int32), 1, BLOCK_KV, -1)
-  k, v = pad_keys(k_BxSxKxD, BLOCK_KV), pad_keys(v_BxSxKxD, BLOCK_KV)
+  k, v, extra, n_kb = _keys(k_BxSxKxD, v_BxSxKxD, page_table_BxNb)
   tp = q.shape[1]
   out, lse = pl.pallas_call(
-      functools.partial(_seq_fwd_kernel, g=g, n_kb=k.shape[1] // BLOCK_KV, bq=config.block_q),
+      functools.partial(_seq_fwd_kernel, g=g, n_kb=n_kb, bq=config.block_q, paged=bool(extra)),
       out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, tp), jnp.float32)),
       grid=(b, h, tp // config.block_q),
       compiler_params=_params(config.num_warps, config.num_stages),
       interpret=interpret, name="fp8jax_attention_seq",
-  )(q, k, v, pos, _scalars(qk_scale, v_scale))
+  )(q, k, v, pos, _scalars(qk_scale, v_scale), *extra)
   return out[:, :t], lse[:, :, :t]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, *,
+def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, page_table_BxNb=None, *,
                     config: TuningConfig = TuningConfig(), interpret: bool = False):
-  """One query per sequence (decode): rows = the G heads of each key/value head -> out_BxHxD."""
+  """One query per sequence (decode): rows = the G heads of each key/value head -> out_BxHxD.
+
+  ``page_table_BxNb``: k/v are page pools (N, BLOCK_KV, K, D) (the paged form of ``pallas_kernels.attention``)."""
   b, h, d = q_BxHxD.shape
-  check_operands(q_BxHxD[:, None], k_BxSxKxD, v_BxSxKxD, q_pos_B[:, None])
+  check_operands(q_BxHxD[:, None], k_BxSxKxD, v_BxSxKxD, q_pos_B[:, None], page_table_BxNb, BLOCK_KV)
   n_kv = k_BxSxKxD.shape[2]
   g = h // n_kv
   q = _pad_rows(q_BxHxD.reshape(b, n_kv, g, d), 2, config.decode_block_q)
   r = q.shape[2]
   pos = jnp.where(jnp.arange(r) < g, q_pos_B.astype(jnp.int32)[:, None], -1)
-  k, v = pad_keys(k_BxSxKxD, BLOCK_KV), pad_keys(v_BxSxKxD, BLOCK_KV)
+  k, v, extra, n_kb = _keys(k_BxSxKxD, v_BxSxKxD, page_table_BxNb)
   out = pl.pallas_call(
-      functools.partial(_heads_fwd_kernel, n_kb=k.shape[1] // BLOCK_KV, bq=config.decode_block_q),
+      functools.partial(_heads_fwd_kernel, n_kb=n_kb, bq=config.decode_block_q, paged=bool(extra)),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       grid=(b, n_kv, r // config.decode_block_q),
       compiler_params=_params(config.decode_num_warps, config.decode_num_stages if k.dtype == jnp.float8_e4m3fn
                               else config.decode_num_stages_bf16),
       interpret=interpret, name="fp8jax_attention_decode",
-  )(q, k, v, pos, _scalars(qk_scale, v_scale))
+  )(q, k, v, pos, _scalars(qk_scale, v_scale), *extra)
   return out[:, :, :g].reshape(b, h, d)
 
 

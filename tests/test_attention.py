@@ -131,6 +131,39 @@ def test_decode_rows_equal_training_rows_at_a_shape_where_vectorized_xla_cpu_rou
   np.testing.assert_array_equal(np.asarray(dec), np.asarray(train[:, -1:]))
 
 
+def _shuffled_pages(ck, cv, block: int, seed: int):
+  """The dense caches as pages in a random order of a pool with extra stale (NaN) pages, and their page table."""
+  (kp, table), (vp, _) = ref.as_pages(ck, block), ref.as_pages(cv, block)
+  n = kp.shape[0]
+  perm = np.random.default_rng(seed).permutation(n + 3)  # slot of each page in the pool; 3 pages nobody reads
+  nan = jnp.full((n + 3, *kp.shape[1:]), jnp.nan, kp.dtype)
+  pool_k, pool_v = nan.at[perm[:n]].set(kp), nan.at[perm[:n]].set(vp)
+  return pool_k, pool_v, jnp.asarray(perm[np.asarray(table)], jnp.int32)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
+def test_paged_rows_equal_dense_rows_bitwise(fp8):
+  """The paged form (pages in any order of a pool, stale NaN pages around) reads the same blocks in the same order
+  as the dense cache: decode and prefill rows are bit for bit the dense ones (reference backend, CPU)."""
+  b, t, h, kv, d = 3, 90, 8, 2, 64
+  q, k, v, ks, vs = _qkv(11, b, t, h, kv, d, fp8=fp8)
+  ck, cv = _cache_with_stale_rows(k, v, 128, 1)
+  pk, pv, table = _shuffled_pages(ck, cv, ref.key_block(), 0)
+  step = fp8jax.jit(lambda q, k, v, p, pt=None: attn.attend(q, k, v, p, k_scale=ks, v_scale=vs, backend="xla",
+                                                           page_table=pt))
+  ps = jnp.asarray([0, 17, t - 1], jnp.int32)
+  qd = q[jnp.arange(b), ps][:, None]
+  np.testing.assert_array_equal(np.asarray(step(qd, pk, pv, ps[:, None], table)),
+                                np.asarray(step(qd, ck, cv, ps[:, None])))
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  np.testing.assert_array_equal(np.asarray(step(q, pk, pv, pos, table)), np.asarray(step(q, ck, cv, pos)))
+  # writing through the table lands where the dense write does
+  new = jax.random.normal(jax.random.key(5), (b, 1, kv, d), jnp.float32).astype(ck.dtype)
+  dense = kvcache.write(ck, new, ps[:, None])
+  paged = kvcache.write(pk, new, ps[:, None], table)
+  np.testing.assert_array_equal(np.asarray(ref.dense_view(paged, table), np.float32), np.asarray(dense, np.float32))
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # CPU: the kernels in interpret mode
 # ------------------------------------------------------------------------------------------------------------------
@@ -178,6 +211,25 @@ def test_decode_kernel_interpret_matches_reference_and_training_rows(g, fp8):
   assert out.shape == (b, h, d) and np.all(np.isfinite(np.asarray(out)))
   assert _rel(out, want[:, 0]) <= 5e-3
   np.testing.assert_array_equal(np.asarray(out), np.asarray(train[jnp.arange(b), ps]))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
+def test_paged_kernels_interpret_equal_dense_kernels_bitwise(fp8):
+  """The kernels' paged form (decode and prefill tiles reading pages through the table) == their dense form."""
+  b, t, h, kv, d = 2, 200, 8, 2, 64
+  q, k, v, ks, vs = _qkv(13, b, t, h, kv, d, fp8=fp8)
+  qs, vsc = _scales(d, ks, vs)
+  ck, cv = _cache_with_stale_rows(k, v, 384, 4)
+  pk, pv, table = _shuffled_pages(ck, cv, ref.BLOCK_KV, 1)
+  ps = jnp.asarray([130, t - 1], jnp.int32)
+  dense = kern.attention_heads(q[jnp.arange(b), ps], ck, cv, ps, qs, vsc, interpret=True)
+  paged = kern.attention_heads(q[jnp.arange(b), ps], pk, pv, ps, qs, vsc, table, interpret=True)
+  np.testing.assert_array_equal(np.asarray(paged), np.asarray(dense))
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  dense_seq = kern.attention_seq(q, ck, cv, pos, qs, vsc, interpret=True)
+  paged_seq = kern.attention_seq(q, pk, pv, pos, qs, vsc, table, interpret=True)
+  for x, y in zip(paged_seq, dense_seq):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.mark.parametrize("b,t,h,kv,d,scale", [(2, 150, 4, 2, 128, 1.0), (1, 70, 2, 1, 64, 0.25)])
@@ -229,6 +281,11 @@ def test_kernels_lower_for_cuda(kv_dtype):
                                  S((b, t, kv, d), kv_dtype), S((b, t), i32), *sc)
   assert "triton" in _lower_cuda(kern.attention_heads, S((256, h, d), bf), S((256, 1536, kv, d), kv_dtype),
                                  S((256, 1536, kv, d), kv_dtype), S((256,), i32), *sc)
+  pool = S((3000, 128, kv, d), kv_dtype)  # the paged form: pages of one key block, a page table per sequence
+  assert "triton" in _lower_cuda(kern.attention_heads, S((256, h, d), bf), pool, pool, S((256,), i32), *sc,
+                                 S((256, 12), i32))
+  assert "triton" in _lower_cuda(kern.attention_seq, S((64, 512, h, d), bf), pool, pool, S((64, 512), i32), *sc,
+                                 S((64, 4), i32))
   if kv_dtype == jnp.bfloat16:
     bwd = functools.partial(kern.attention_seq_bwd, causal_rows=True)
     assert "triton" in _lower_cuda(bwd, S((b, t, h, d), bf), S((b, t, kv, d), bf), S((b, t, kv, d), bf),
@@ -309,6 +366,26 @@ def test_gpu_decode_rows_equal_training_rows_bitwise(fp8):
     n = int(rng.integers(1, t))
     pre = step(q[:, :n], ck, cv, jnp.broadcast_to(jnp.arange(n), (b, n)))
     np.testing.assert_array_equal(np.asarray(pre), np.asarray(train[:, :n]))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
+def test_gpu_paged_rows_equal_training_rows_bitwise(fp8):
+  """The sampler's paged cache on the GPU: decode and prefill through a shuffled page table == training rows."""
+  b, t, h, kv, d = 5, 1000, 32, 8, 128
+  q, k, v, ks, vs = _qkv(21 + fp8, b, t, h, kv, d, fp8=fp8)
+  train = fp8jax.jit(lambda q, k, v: attn.attend(q, k, v, k_scale=ks, v_scale=vs, backend="pallas"))(
+      q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+  ck, cv = _cache_with_stale_rows(k, v, kvcache.padded_len(t + 200), 2)
+  pk, pv, table = _shuffled_pages(ck, cv, ref.BLOCK_KV, 2)
+  step = fp8jax.jit(lambda q, k, v, p, pt: attn.attend(q, k, v, p, k_scale=ks, v_scale=vs, backend="pallas",
+                                                       page_table=pt))
+  ps = jnp.asarray(np.random.default_rng(3).integers(0, t, b), jnp.int32)
+  rows = step(q[jnp.arange(b), ps][:, None], pk, pv, ps[:, None], table)
+  np.testing.assert_array_equal(np.asarray(rows[:, 0]), np.asarray(train[jnp.arange(b), ps]))
+  pre = step(q[:, :300], pk, pv, jnp.broadcast_to(jnp.arange(300), (b, 300)), table)
+  np.testing.assert_array_equal(np.asarray(pre), np.asarray(train[:, :300]))
 
 
 @pytest.mark.gpu

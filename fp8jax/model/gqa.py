@@ -46,7 +46,9 @@ def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, la
                       backend=cfg.attn_backend, mesh=lcfg.mesh)
   else:
     sk, sv = (cache.k_scale_L[layer], cache.v_scale_L[layer]) if cache.is_fp8 else (None, None)
-    ck, cv = kvc.store(cache.k[layer], k, sk, positions_BxT), kvc.store(cache.v[layer], v, sv, positions_BxT)
+    pt = cache.page_table
+    ck, cv = kvc.store(cache.k[layer], k, sk, positions_BxT, pt), kvc.store(cache.v[layer], v, sv, positions_BxT, pt)
     new_layer = (ck, cv)
-    out = attn.attend(q, ck, cv, positions_BxT, k_scale=sk, v_scale=sv, backend=cfg.attn_backend, mesh=lcfg.mesh)
+    out = attn.attend(q, ck, cv, positions_BxT, k_scale=sk, v_scale=sv, backend=cfg.attn_backend, mesh=lcfg.mesh,
+                      page_table=pt)
   return ops.linear(out.reshape(b, t, hq * hd), p["wo"], lcfg, PARALLEL["wo"]), new_layer, amax

@@ -104,9 +104,9 @@ def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, la
                       backend=cfg.attn_backend, mesh=lcfg.mesh)
   else:
     s = cache.k_scale_L[layer] if cache.is_fp8 else None
-    ck = kvc.store(cache.k[layer], key, s, positions_BxT)
+    ck = kvc.store(cache.k[layer], key, s, positions_BxT, cache.page_table)
     new_layer = (ck, None)
     out = attn.attend(q_abs, ck, ck, positions_BxT, k_scale=s, v_scale=s, sm_scale=sm, backend=cfg.attn_backend,
-                      mesh=lcfg.mesh)
+                      mesh=lcfg.mesh, page_table=cache.page_table)
   o = per_head(out[..., :r], w_uv, lcfg)  # (B, T, H, v_head_dim)
   return ops.linear(o.reshape(b, t, h * cfg.v_head_dim), p["wo"], lcfg), new_layer, (amax, amax)
