@@ -50,7 +50,8 @@ def get_config(arg=None):
       max_len=16,  # prompt + completion tokens per sequence (also the training sequence length)
       max_new_tokens=6,
       temperature=1.0, top_p=1.0, top_k=0,
-      decode_chunk=8,  # decode steps per jitted call; finished slots are refilled between calls
+      decode_chunk=8,  # decode steps per jitted call (the host checks for completion between calls)
+      max_refills_per_step=16,  # free slots that take a pending request per decode step (inside the jitted loop)
       kv_scale_margin=1.25,  # FP8 KV scale = margin * amax / 448 (fp8jax.kvcache)
       prompt_buckets=(16,),
       seed=0))  # varies the rollouts' sampling only (not the problems or the init): RL seeds from one warm start

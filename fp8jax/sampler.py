@@ -1,13 +1,17 @@
 """The rollout sampler: jitted prefill + decode over the trainer's own model function.
 
 How a batch of requests (prompts x n samples) is generated:
-  1. prefill: one forward over the *distinct* prompts (right-padded to a length bucket) fills a prompt KV cache;
-     the n samples of a prompt share it (prompt sharing: one prefill per prompt, never n);
-  2. continuous batching: ``slots`` rows of a static (slots x max_len) KV cache. A free slot takes the next pending
-     request: its prompt's KV rows are copied in, and its position is set to the last prompt token, which the decode
-     step re-reads to produce the first new token. When a sequence stops (stop token or length), the slot is freed
-     and refilled at the next chunk boundary (every ``decode_chunk`` steps; the decode loop runs inside jit);
-  3. each decode step computes the logits and their logsumexp with the trainer's chunked head
+  1. paged KV cache (``fp8jax.kvcache``): one pool of pages per layer, a page being one attention key block; a slot's
+     page table names the page of each of its key blocks;
+  2. prefill: one forward over the *distinct* prompts (right-padded to a length bucket) writes each prompt's pages
+     once; the n samples of a prompt share them (prompt sharing: one prefill and one copy per prompt, never n). Only
+     the page holding the last prompt token, where the samples start writing, is copied into each sample's own page;
+  3. continuous batching inside the jitted loop: ``slots`` rows decode one token per step; at the start of every
+     step, free slots take the next pending requests (at most ``max_refills_per_step``): their page tables point at
+     the prompt's pages, then at the slot's own pages, and they re-read the last prompt token to produce the first
+     new token. A finished slot is thus refilled on the next step; the host syncs every ``decode_chunk`` steps only
+     to see whether all requests are done;
+  4. each decode step computes the logits and their logsumexp with the trainer's chunked head
      (``fp8jax.model.head``: the same chunked GEMMs and row statistics) and reports z[token] - logsumexp for the
      sampled token. The reported log-prob is that of the temperature-scaled distribution, without top-p/top-k
      renormalization, so sampler-vs-trainer mismatch measures numerics only.
@@ -59,13 +63,17 @@ class SamplerConfig:
   max_len: int = 256  # prompt + completion tokens per slot
   prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)
   kv_cache: str = "bf16"  # "bf16" | "fp8"
-  decode_chunk: int = 16  # decode steps per jitted call (slots are refilled between calls)
+  decode_chunk: int = 16  # decode steps per jitted call (the host checks for completion between calls)
+  max_refills_per_step: int = 16  # free slots that take a pending request per decode step (each copies one page)
   memory_fraction: float = 0.9  # the KV caches may use at most this fraction of free device memory
 
   def __post_init__(self):
     if self.kv_cache not in quant.KV_CACHE_KINDS:  # the trainer sets it from fp8.kv_cache, validated by Recipe
       raise ValueError(f"SamplerConfig.kv_cache (fp8.kv_cache in a config) must be one of {quant.KV_CACHE_KINDS}, "
                        f"got {self.kv_cache!r}")
+    for name in ("slots", "decode_chunk", "max_refills_per_step"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"SamplerConfig.{name} (rollout.{name} in a config) must be >= 1, got {getattr(self, name)}")
 
   def bucket(self, n: int) -> int:
     for b in self.prompt_buckets:
@@ -132,16 +140,67 @@ def sample_tokens(keys, logits_BxV, sp: SamplingParams):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _State:
-  cache: kvc.KVCache
+  cache: kvc.KVCache  # paged; its page table is the slots'
   slot_req: jax.Array  # (S,) request id or -1
   slot_pos: jax.Array  # (S,) position of the token to feed next
   slot_tok: jax.Array  # (S,) token to feed next
   slot_gen: jax.Array  # (S,) tokens generated so far
+  next_req: jax.Array  # () the first request no slot has taken yet
   out_tok: jax.Array  # (R, max_new)
   out_lp: jax.Array
   out_len: jax.Array  # (R,)
   out_finish: jax.Array  # (R,)
+  steps: jax.Array  # () decode steps run
   busy_steps: jax.Array  # () slot-steps that did useful work
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Requests:
+  """What a slot needs to take a request (constant during one generate call)."""
+  prompt_of_req: jax.Array  # (R,) prompt index of each request
+  prompt_len: jax.Array  # (Np,)
+  last_tok: jax.Array  # (Np,) the last prompt token (re-read by the first decode step)
+  prompt_page0: jax.Array  # (Np,) the first of a prompt's pages (consecutive)
+  own_page0: jax.Array  # (S,) the first of a slot's own pages (consecutive)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageLayout:
+  """The pool of one generate call: ``n_prompts x prompt_pages`` prompt pages, then ``slots x own_pages``.
+
+  A request whose prompt has L tokens reads the prompt's pages for its key blocks below (L - 1) // P and its slot's
+  own pages from there on (the first one a copy of the prompt page holding token L - 1). It writes positions
+  L - 1 .. L - 2 + max_new (< max_len), so ``own_pages`` = min(blocks per slot, (max_new - 1) // P + 2) suffices
+  whatever L; everything is static in (prompts, bucket, slots, max_len, max_new): no recompile per batch of prompts.
+  """
+  page: int  # positions per page (the attention key block)
+  blocks: int  # page-table entries per slot (max_len in pages)
+  n_prompts: int
+  prompt_pages: int
+  slots: int
+  own_pages: int
+
+  @property
+  def n_pages(self) -> int:
+    return self.n_prompts * self.prompt_pages + self.slots * self.own_pages
+
+  def requests(self, prompt_of_req, prompt_len, last_tok) -> _Requests:
+    return _Requests(prompt_of_req=jnp.asarray(prompt_of_req, jnp.int32), prompt_len=jnp.asarray(prompt_len, jnp.int32),
+                     last_tok=jnp.asarray(last_tok, jnp.int32),
+                     prompt_page0=jnp.arange(self.n_prompts, dtype=jnp.int32) * self.prompt_pages,
+                     own_page0=self.n_prompts * self.prompt_pages + jnp.arange(self.slots, dtype=jnp.int32)
+                     * self.own_pages)
+
+  def own_table(self) -> jax.Array:
+    """Every slot on its own pages (the table before any request: idle slots write there only)."""
+    j = jnp.arange(self.blocks, dtype=jnp.int32)
+    first = self.n_prompts * self.prompt_pages + jnp.arange(self.slots, dtype=jnp.int32)[:, None] * self.own_pages
+    return jnp.minimum(first + jnp.minimum(j, self.own_pages - 1)[None], self.n_pages - 1)
+
+  def prompt_table(self) -> jax.Array:
+    return (jnp.arange(self.n_prompts, dtype=jnp.int32)[:, None] * self.prompt_pages
+            + jnp.arange(self.prompt_pages, dtype=jnp.int32)[None])
 
 
 def prepare_params(params, recipe: quant.Recipe, dtype=jnp.bfloat16):
@@ -180,48 +239,69 @@ class Sampler:
     return kvc.init_cache(self.cfg.n_layers, slots, length, heads, head_dim, fp8=fp8, k_scale_L=k_scale_L,
                           v_scale_L=v_scale_L, values=values)
 
-  def _cache_bytes(self, slots: int, length: int, fp8: bool) -> int:
+  def layout(self, n_prompts: int, bucket: int, max_new_tokens: int) -> PageLayout:
+    page = kvc.key_block()
+    blocks = kvc.padded_len(self.scfg.max_len) // page
+    return PageLayout(page=page, blocks=blocks, n_prompts=n_prompts, prompt_pages=-(-bucket // page),
+                      slots=self.scfg.slots, own_pages=min(blocks, (max_new_tokens - 1) // page + 2))
+
+  def _pool_bytes(self, lay: PageLayout) -> int:
     heads, head_dim, values = self.cfg.kv_cache_layout
-    return kvc.cache_bytes(self.cfg.n_layers, slots, length, heads, head_dim, fp8, values)
+    return kvc.cache_bytes(self.cfg.n_layers, lay.n_pages, lay.page, heads, head_dim, self.scfg.kv_cache == "fp8",
+                           values)
 
   # -- jitted pieces ------------------------------------------------------------------------------------------------
 
-  @functools.partial(fp8jax.jit, static_argnums=(0,))
-  def _prefill(self, params, tokens_PxT, k_scale_L, v_scale_L):
-    c = self.cfg
-    cache = self._init_cache(tokens_PxT.shape[0], tokens_PxT.shape[1], self.scfg.kv_cache == "fp8", k_scale_L,
-                             v_scale_L)
+  @functools.partial(fp8jax.jit, static_argnums=(0, 5))
+  def _prefill(self, params, tokens_PxT, k_scale_L, v_scale_L, lay: PageLayout):
+    """The pool, with every prompt's pages written; its page table: each slot on its own pages."""
+    heads, head_dim, values = self.cfg.kv_cache_layout
+    cache = kvc.init_pages(self.cfg.n_layers, lay.n_pages, lay.prompt_table(), heads, head_dim,
+                           fp8=self.scfg.kv_cache == "fp8", k_scale_L=k_scale_L, v_scale_L=v_scale_L, values=values)
     pos = jnp.broadcast_to(jnp.arange(tokens_PxT.shape[1], dtype=jnp.int32), tokens_PxT.shape)
-    _, cache, aux = llama.forward(params, tokens_PxT, c, self.lcfg, positions_BxT=pos, cache=cache)
-    return cache, aux
+    _, cache, _ = llama.forward(params, tokens_PxT, self.cfg, self.lcfg, positions_BxT=pos, cache=cache)
+    return dataclasses.replace(cache, page_table=lay.own_table())
 
-  @functools.partial(fp8jax.jit, static_argnums=(0,), donate_argnums=(1,))
-  def _refill(self, state: _State, prompt_cache, new_req_S, prompt_of_req, prompt_lens, prompt_last_tok):
-    """Slots with new_req >= 0 start request new_req: copy its prompt's KV rows, point at its last prompt token."""
-    take = new_req_S >= 0
-    p_idx = prompt_of_req[jnp.maximum(new_req_S, 0)]
-    plen = prompt_lens[p_idx]
-    rows = jnp.where(take, jnp.arange(take.shape[0]), take.shape[0])  # out-of-range rows are dropped
-    s = prompt_cache.max_len
-
-    def cp(dst, src):
-      return dst.at[rows, :s].set(src[p_idx].astype(dst.dtype), mode="drop")
-
-    cache = dataclasses.replace(state.cache, k=[cp(d, x) for d, x in zip(state.cache.k, prompt_cache.k)],
-                                v=[cp(d, x) for d, x in zip(state.cache.v, prompt_cache.v)])
+  def _take(self, st: _State, rq: _Requests, lay: PageLayout, cap: int) -> _State:
+    """Free slots take the next pending requests (at most ``cap``, lowest slots first): page table rows on the
+    prompt's pages below the block of its last token and on the slot's own pages from there; that block's prompt
+    page copied into the slot's first own page; position on the last prompt token."""
+    s, r = st.slot_req.shape[0], rq.prompt_of_req.shape[0]
+    free = st.slot_req < 0
+    rank = jnp.cumsum(free) - 1
+    take = free & (rank < jnp.minimum(r - st.next_req, cap))
+    req = st.next_req + rank
+    p = rq.prompt_of_req[jnp.clip(req, 0, r - 1)]
+    plen = rq.prompt_len[p]
+    shared = (plen - 1) // lay.page  # blocks read from the prompt's pages
+    j = jnp.arange(lay.blocks, dtype=jnp.int32)[None]
+    row = jnp.where(j < shared[:, None], rq.prompt_page0[p][:, None] + j, rq.own_page0[:, None] + j - shared[:, None])
+    table = jnp.where(take[:, None], jnp.minimum(row, lay.n_pages - 1), st.cache.page_table)
+    ids = jnp.nonzero(take, size=cap, fill_value=s)[0]  # the taking slots
+    idc = jnp.minimum(ids, s - 1)
+    dst = jnp.where(ids < s, rq.own_page0[idc], lay.n_pages)  # no taker: out of range, dropped
+    cache = kvc.copy_pages(dataclasses.replace(st.cache, page_table=table), rq.prompt_page0[p[idc]] + shared[idc], dst)
     return dataclasses.replace(
-        state, cache=cache, slot_req=jnp.where(take, new_req_S, state.slot_req),
-        slot_pos=jnp.where(take, plen - 1, state.slot_pos),
-        slot_tok=jnp.where(take, prompt_last_tok[p_idx], state.slot_tok),
-        slot_gen=jnp.where(take, 0, state.slot_gen))
+        st, cache=cache, slot_req=jnp.where(take, req, st.slot_req), slot_pos=jnp.where(take, plen - 1, st.slot_pos),
+        slot_tok=jnp.where(take, rq.last_tok[p], st.slot_tok), slot_gen=jnp.where(take, 0, st.slot_gen),
+        next_req=st.next_req + jnp.sum(take, dtype=jnp.int32))
 
-  @functools.partial(fp8jax.jit, static_argnums=(0, 3, 4), donate_argnums=(2,))
-  def _decode(self, params, state: _State, sp: SamplingParams, steps: int, base_key):
+  @functools.partial(fp8jax.jit, static_argnums=(0, 3), donate_argnums=(1,))
+  def _start(self, state: _State, rq: _Requests, lay: PageLayout):
+    return self._take(state, rq, lay, lay.slots)
+
+  @functools.partial(fp8jax.jit, static_argnums=(0, 4, 5, 6), donate_argnums=(2,))
+  def _decode(self, params, state: _State, rq: _Requests, lay: PageLayout, sp: SamplingParams, steps: int, base_key):
+    """Up to ``steps`` decode steps (fewer if every request is done), each starting with the slot refills."""
     c, max_new = self.cfg, sp.max_new_tokens
     stop_ids = jnp.asarray(sp.stop_token_ids or (-1,), jnp.int32)
     max_len = self.scfg.max_len  # the cache may hold more (whole attention blocks); sequences stop here
+    n_req = rq.prompt_of_req.shape[0]
+    cap = min(self.scfg.max_refills_per_step, lay.slots)
 
-    def step(_, st: _State):
+    def step(carry):
+      i, st = carry
+      st = self._take(st, rq, lay, cap)
       active = st.slot_req >= 0
       hidden, cache, _ = llama.forward(params, st.slot_tok[:, None], c, self.lcfg,
                                        positions_BxT=st.slot_pos[:, None], cache=st.cache)
@@ -231,38 +311,44 @@ class Sampler:
           jnp.maximum(st.slot_req, 0), st.slot_gen)
       tok = sample_tokens(keys, lg, sp)
       lp = head.token_logprob(lg, lse, tok, lp_temp)
-      req = jnp.where(active, st.slot_req, st.out_tok.shape[0])  # inactive slots write out of range -> dropped
+      req = jnp.where(active, st.slot_req, n_req)  # inactive slots write out of range -> dropped
       out_tok = st.out_tok.at[req, st.slot_gen].set(tok, mode="drop")
       out_lp = st.out_lp.at[req, st.slot_gen].set(lp, mode="drop")
       gen = st.slot_gen + 1
       stopped = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
       too_long = (gen >= max_new) | (st.slot_pos + 2 >= max_len)
       done = active & (stopped | too_long)
-      out_len = st.out_len.at[jnp.where(done, req, st.out_tok.shape[0])].set(gen, mode="drop")
-      out_finish = st.out_finish.at[jnp.where(done, req, st.out_tok.shape[0])].set(
+      out_len = st.out_len.at[jnp.where(done, req, n_req)].set(gen, mode="drop")
+      out_finish = st.out_finish.at[jnp.where(done, req, n_req)].set(
           jnp.where(stopped, FINISH_STOP, FINISH_LENGTH), mode="drop")
-      return _State(cache=cache, slot_req=jnp.where(done, -1, st.slot_req),
-                    slot_pos=jnp.where(active, st.slot_pos + 1, st.slot_pos), slot_tok=jnp.where(active, tok, st.slot_tok),
-                    slot_gen=jnp.where(active, gen, st.slot_gen), out_tok=out_tok, out_lp=out_lp, out_len=out_len,
-                    out_finish=out_finish, busy_steps=st.busy_steps + jnp.sum(active))
+      st = _State(cache=cache, slot_req=jnp.where(done, -1, st.slot_req),
+                  slot_pos=jnp.where(active, st.slot_pos + 1, st.slot_pos), slot_tok=jnp.where(active, tok, st.slot_tok),
+                  slot_gen=jnp.where(active, gen, st.slot_gen), next_req=st.next_req, out_tok=out_tok, out_lp=out_lp,
+                  out_len=out_len, out_finish=out_finish, steps=st.steps + 1,
+                  busy_steps=st.busy_steps + jnp.sum(active))
+      return i + 1, st
 
-    return jax.lax.fori_loop(0, steps, step, state)
+    def running(carry):
+      i, st = carry
+      return (i < steps) & ~_all_done(st, n_req)
+
+    return jax.lax.while_loop(running, step, (jnp.int32(0), state))[1]
 
   # -- driver -------------------------------------------------------------------------------------------------------
 
-  def _check_memory(self, n_prompts: int, bucket: int):
+  def _check_memory(self, lay: PageLayout):
     s = self.scfg
-    fp8 = s.kv_cache == "fp8"
-    need = self._cache_bytes(s.slots, s.max_len, fp8) + self._cache_bytes(n_prompts, bucket, fp8)
+    need = self._pool_bytes(lay)
     dev = jax.local_devices()[0]  # this process's own (memory_stats of another host's device cannot be read)
     stats = dev.memory_stats() or {}
     if "bytes_limit" in stats:
       free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
       if need > s.memory_fraction * free:
         raise ValueError(
-            f"KV caches need {need / 2**30:.2f} GiB (rollout.slots={s.slots} x rollout.max_len={s.max_len} "
-            f"+ {n_prompts} prompts x {bucket}) but only {free / 2**30:.2f} GiB is free on {dev}; "
-            f"lower rollout.slots or rollout.max_len, or use fp8.kv_cache='fp8'")
+            f"the KV cache needs {need / 2**20:.1f} MiB ({lay.n_pages} pages of {lay.page} positions: "
+            f"{lay.n_prompts} prompts x {lay.prompt_pages} + rollout.slots={s.slots} x {lay.own_pages} for "
+            f"max_new_tokens, rollout.max_len={s.max_len}) but only {free / 2**20:.1f} MiB is free on {dev}; "
+            f"lower rollout.slots, rollout.max_new_tokens or the prompts per step, or use fp8.kv_cache='fp8'")
     return need
 
   @functools.partial(fp8jax.jit, static_argnums=(0,))
@@ -301,52 +387,47 @@ class Sampler:
     c, s = self.cfg, self.scfg
     toks, lens = self._pad_prompts(prompts)
     n_prompts, bucket = toks.shape
-    self._check_memory(n_prompts, bucket)
+    lay = self.layout(n_prompts, bucket, sp.max_new_tokens)
+    self._check_memory(lay)
     fp8 = s.kv_cache == "fp8"
     if fp8 and kv_scales is None:
       raise ValueError("fp8.kv_cache='fp8' (SamplerConfig.kv_cache) needs kv_scales (from the trainer's amax or "
                        "calibrate_kv_scales)")
     ks, vs = kv_scales if fp8 else (jnp.ones(c.n_layers), jnp.ones(c.n_layers))
     r = n_prompts * n
+    prompt_of_req = np.repeat(np.arange(n_prompts), n)
+    rq = lay.requests(prompt_of_req, lens, np.asarray(toks)[np.arange(n_prompts), lens - 1])
     t0 = time.perf_counter()
-    prompt_cache, _ = self._prefill(params, toks, ks, vs)
-    jax.block_until_ready(prompt_cache.k[0])
+    cache = self._prefill(params, toks, ks, vs, lay)
+    jax.block_until_ready(cache.k[0])
     t_prefill = time.perf_counter() - t0
 
-    state = _State(
-        cache=self._init_cache(s.slots, s.max_len, fp8, ks, vs),
-        slot_req=jnp.full((s.slots,), -1, jnp.int32), slot_pos=jnp.zeros((s.slots,), jnp.int32),
-        slot_tok=jnp.zeros((s.slots,), jnp.int32), slot_gen=jnp.zeros((s.slots,), jnp.int32),
-        out_tok=jnp.zeros((r, sp.max_new_tokens), jnp.int32), out_lp=jnp.zeros((r, sp.max_new_tokens), jnp.float32),
-        out_len=jnp.zeros((r,), jnp.int32), out_finish=jnp.zeros((r,), jnp.int32), busy_steps=jnp.zeros((), jnp.int32))
-    prompt_of_req = jnp.asarray(np.repeat(np.arange(n_prompts), n), jnp.int32)
-    last_tok = toks[jnp.arange(n_prompts), jnp.asarray(lens) - 1]
-    lens_j = jnp.asarray(lens)
+    zeros = lambda *shape, dt=jnp.int32: jnp.zeros(shape, dt)  # noqa: E731
+    state = _State(cache=cache, slot_req=jnp.full((s.slots,), -1, jnp.int32), slot_pos=zeros(s.slots),
+                   slot_tok=zeros(s.slots), slot_gen=zeros(s.slots), next_req=zeros(), out_tok=zeros(r, sp.max_new_tokens),
+                   out_lp=zeros(r, sp.max_new_tokens, dt=jnp.float32), out_len=zeros(r), out_finish=zeros(r),
+                   steps=zeros(), busy_steps=zeros())
+    state = self._start(state, rq, lay)
     base_key = jax.random.key(sp.seed)
     static_sp = dataclasses.replace(sp, seed=0)  # the seed is traced (base_key): no recompile per seed
-    next_req, steps, free = 0, 0, np.ones(s.slots, bool)
     while True:
-      if next_req < r and free.any():
-        new = np.full(s.slots, -1, np.int32)
-        idx = np.flatnonzero(free)[: r - next_req]
-        new[idx] = np.arange(next_req, next_req + len(idx))
-        next_req += len(idx)
-        state = self._refill(state, prompt_cache, jnp.asarray(new), prompt_of_req, lens_j, last_tok)
-      state = self._decode(params, state, static_sp, s.decode_chunk, base_key)
-      steps += s.decode_chunk
-      free = np.asarray(state.slot_req) < 0  # one host sync per chunk
-      if next_req >= r and free.all():
+      state = self._decode(params, state, rq, lay, static_sp, s.decode_chunk, base_key)
+      if bool(_all_done(state, r)):  # one host sync per chunk
         break
     out_len = np.asarray(state.out_len)
     t_total = time.perf_counter() - t0
     gen_tokens = int(out_len.sum())
+    steps = int(state.steps)
     stats = {"prefill_s": t_prefill, "generate_s": t_total, "generated_tokens": gen_tokens,
              "prefill_tokens": int(lens.sum()), "gen_tokens_per_s": gen_tokens / max(t_total - t_prefill, 1e-9),
              "prefill_tokens_per_s": int(lens.sum()) / max(t_prefill, 1e-9), "decode_steps": steps,
-             "mean_occupancy": float(np.asarray(state.busy_steps)) / max(steps * s.slots, 1)}
+             "mean_occupancy": float(np.asarray(state.busy_steps)) / max(steps * s.slots, 1),
+             "kv_pages": lay.n_pages, "kv_cache_bytes": self._pool_bytes(lay)}
     toks_np = np.asarray(toks)
-    return Rollout(prompt_idx=np.asarray(prompt_of_req), prompt_tokens=toks_np[np.asarray(prompt_of_req)],
-                   prompt_lens=lens[np.asarray(prompt_of_req)], tokens=np.asarray(state.out_tok),
-                   logprobs=np.asarray(state.out_lp), lengths=out_len, finish_reason=np.asarray(state.out_finish),
-                   stats=stats)
+    return Rollout(prompt_idx=prompt_of_req, prompt_tokens=toks_np[prompt_of_req], prompt_lens=lens[prompt_of_req],
+                   tokens=np.asarray(state.out_tok), logprobs=np.asarray(state.out_lp), lengths=out_len,
+                   finish_reason=np.asarray(state.out_finish), stats=stats)
 
+
+def _all_done(st: _State, n_requests: int):
+  return (st.next_req >= n_requests) & jnp.all(st.slot_req < 0)

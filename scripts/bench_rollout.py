@@ -108,6 +108,9 @@ def parse_args(argv=None):
   p.add_argument("--no_tunix", action="store_true", help="skip the tunix peer")
   p.add_argument("--no_warmup", action="store_true", help="time the first (compiling) call instead of a second one")
   p.add_argument("--out", default=None, help="JSON results path (rewritten after every run)")
+  p.add_argument("--profile", action="store_true",
+                 help="trace one decode chunk in the middle of each timed run (jax.profiler) and record its device "
+                      "kernels, grouped by name, in the JSON (top ones printed); the trace goes next to --out")
   p.add_argument("--budget_s", type=float, default=None,
                  help="skip runs that would end past this many seconds (default: 360, --full 540, --tiny 600)")
   args = p.parse_args(argv)
@@ -229,12 +232,19 @@ def run_fp8jax(a, cfg, name, params, prompts, workload, kv_scales=None) -> dict:
   if not a.no_warmup:
     ro = s.generate(params, prompts, sp, n=n, kv_scales=kv_scales)
   st = ro.stats
+  profile = None
+  if a.profile:  # a third call, untimed, with one decode chunk traced
+    trace_dir = os.path.join(os.path.dirname(os.path.abspath(a.out or "bench_rollout.json")), f"trace_{name}_{workload}")
+    profile = profile_decode_chunk(s, trace_dir, lambda: s.generate(params, prompts, sp, n=n, kv_scales=kv_scales),
+                                   chunk=max(1, a.max_new // a.decode_chunk // 2), steps=a.decode_chunk)
   decode_s = st["generate_s"] - st["prefill_s"]
   res = {"config": name, "workload": workload, "requests": len(ro.lengths), "samples_per_prompt": n,
          "first_call_s (compile + run)": first_s, **st, "e2e_tokens_per_s": st["generated_tokens"] / st["generate_s"],
          "lengths": length_stats(ro, a.max_new),
          "roofline": roofline(cfg, ro, weight_bytes_per_step(params, cfg), kv == "fp8", recipe.mode == "fp8", a.slots,
                               max_len, decode_s)}
+  if profile is not None:
+    res["profile"] = profile
   if workload == "long_tail":
     res["n_stop_ids"] = len(sp.stop_token_ids)
   if workload == "uniform" and not np.all(ro.lengths == a.max_new):
@@ -243,6 +253,55 @@ def run_fp8jax(a, cfg, name, params, prompts, workload, kv_scales=None) -> dict:
       f"prefill {st['prefill_tokens_per_s']:10.1f} tok/s, occ {st['mean_occupancy']:.3f}, "
       f"step {res['roofline']['decode_step_ms']:.2f} ms, first call {first_s:.1f} s")
   return res
+
+
+def profile_decode_chunk(sampler, trace_dir: str, run, chunk: int, steps: int, top: int = 30) -> dict:
+  """Runs ``run()`` (a generate call on ``sampler``) with decode chunk number ``chunk`` under jax.profiler, and sums
+  the trace's device kernels by name: where one decode step's time goes (total / steps per kernel name)."""
+  import glob  # noqa: PLC0415
+  import gzip  # noqa: PLC0415
+
+  decode = type(sampler)._decode
+  calls = [0]
+
+  def traced(*args, **kw):  # the instance attribute shadows the class's jitted method for this one run
+    calls[0] += 1
+    if calls[0] != chunk:
+      return decode(sampler, *args, **kw)
+    jax.block_until_ready(args[1].slot_req)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      return jax.block_until_ready(decode(sampler, *args, **kw))
+
+  sampler._decode = traced
+  try:
+    run()
+  finally:
+    del sampler._decode
+  files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
+  if not files:
+    return {"error": f"no perfetto trace under {trace_dir} (chunk {chunk} of {calls[0]} never ran?)"}
+  with gzip.open(files[-1]) as f:
+    tr = json.load(f)
+  events = tr["traceEvents"] if isinstance(tr, dict) else tr
+  procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  device_pids = {p for p, n in procs.items() if "/device:" in n}
+  kernels: dict[str, list] = {}
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in device_pids:
+      k = kernels.setdefault(e["name"], [0, 0.0, e.get("args", {})])
+      k[0] += 1
+      k[1] += float(e.get("dur", 0.0))
+  rows = sorted(({"kernel": n, "calls": c, "us_per_step": us / steps, "example_args": {
+      k: str(v)[:200] for k, v in args.items()}} for n, (c, us, args) in kernels.items()),
+      key=lambda r: -r["us_per_step"])
+  total = sum(r["us_per_step"] for r in rows)
+  log(f"  profile ({steps} decode steps, chunk {chunk}): {total / 1e3:.2f} ms of device kernels per step; top:")
+  for r in rows[:top]:
+    log(f"    {r['us_per_step']:9.1f} us/step {100 * r['us_per_step'] / max(total, 1e-9):5.1f}%  x{r['calls']:<6d} "
+        f"{r['kernel'][:90]}")
+  return {"steps": steps, "chunk": chunk, "device_us_per_step": total, "device_processes": sorted(
+      procs[p] for p in device_pids), "kernels": rows[:200], "trace": files[-1]}
 
 
 # ------------------------------------------------------------------------------------------------------------------

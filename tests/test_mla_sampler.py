@@ -60,9 +60,13 @@ def test_latent_cache_layout(master):
   p = smp.prepare_params(master, RECIPES["bf16"])
   for kv, dtype in (("bf16", jnp.bfloat16), ("fp8", quant.FP8_DTYPE)):
     s = sampler(kv)
-    cache, _ = s._prefill(p, jnp.asarray([PROMPTS[0] + [0] * 11]), jnp.ones(2), jnp.ones(2))
-    assert [c.shape for c in cache.k] == [(1, 16, 1, 128)] * 2 and cache.v == [] and cache.k[0].dtype == dtype
-  assert s._cache_bytes(4, MAX_LEN, fp8=False) == 2 * 4 * 48 * 128 * 2  # layers x slots x len x 128 x 2 bytes
+    lay = s.layout(1, 16, 4)  # one prompt of 16 positions (1 page), 4 new tokens: 2 own pages per slot
+    cache = s._prefill(p, jnp.asarray([PROMPTS[0] + [0] * 11]), jnp.ones(2), jnp.ones(2), lay)
+    pages = 1 + s.scfg.slots * 2
+    assert lay.n_pages == pages and cache.page_table.shape == (s.scfg.slots, 3)  # 48 positions = 3 blocks
+    assert [c.shape for c in cache.k] == [(pages, 16, 1, 128)] * 2 and cache.v == [] and cache.k[0].dtype == dtype
+    # layers x pages x 16 positions x 128 x (1 byte FP8 | 2 bytes BF16), no V
+    assert s._pool_bytes(lay) == 2 * pages * 16 * 128 * (1 if kv == "fp8" else 2)
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])

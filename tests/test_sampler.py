@@ -58,8 +58,9 @@ def kv_scales(master, sparams):
 
 
 @functools.cache
-def sampler(slots: int, kv: str = "bf16", decode_chunk: int = 8) -> smp.Sampler:
-  return smp.Sampler(CFG, smp.SamplerConfig(slots=slots, max_len=MAX_LEN, kv_cache=kv, decode_chunk=decode_chunk))
+def sampler(slots: int, kv: str = "bf16", decode_chunk: int = 8, refills: int = 16) -> smp.Sampler:
+  return smp.Sampler(CFG, smp.SamplerConfig(slots=slots, max_len=MAX_LEN, kv_cache=kv, decode_chunk=decode_chunk,
+                                            max_refills_per_step=refills))
 
 
 @functools.cache
@@ -153,7 +154,7 @@ def test_seeded_sampling_reproducible_and_prompt_sharing(sparams, monkeypatch):
 def test_equal_samplers_share_compiled_programs(sparams):
   """The jitted steps take the Sampler as a static argument: a new Sampler with the same configs must hit the
   programs the first one compiled (before, each Sampler object compiled its own), and a different config must not."""
-  p, steps = sparams["bf16"], (smp.Sampler._prefill, smp.Sampler._refill, smp.Sampler._decode)
+  p, steps = sparams["bf16"], (smp.Sampler._prefill, smp.Sampler._start, smp.Sampler._decode)
   make = lambda **kw: smp.Sampler(CFG, smp.SamplerConfig(slots=3, max_len=MAX_LEN, **kw))
   a = make().generate(p, PROMPTS, SP, n=1)
   sizes = [f._cache_size() for f in steps]
@@ -285,24 +286,60 @@ def test_stop_tokens_and_max_length(sparams):
 # ------------------------------------------------------------------------------------------------------------------
 
 
+def _scheduled_steps(lengths, slots: int, cap: int) -> int:
+  """Decode steps of the sampler's schedule, simulated on the host: at the start of each step free slots (lowest
+  first) take the next requests in order, at most ``cap`` (every slot before the first step); a slot is free again
+  the step after its last token."""
+  left, pending, steps = [0] * slots, list(lengths), 0
+  while pending or any(left):
+    taken = 0
+    for i in range(slots):
+      if not left[i] and pending and taken < (cap if steps else slots):
+        left[i], taken = pending.pop(0), taken + 1
+    left = [max(0, x - 1) for x in left]
+    steps += 1
+  return steps
+
+
 def test_continuous_batching_matches_one_by_one(sparams):
-  """slots=1 (one request at a time) == slots=4 (refilled as requests end) == slots=6 (all at once), bitwise.
+  """slots=1 (one request at a time) == slots=4 (refilled as requests end) == slots=6 (all at once), bitwise, and
+  with one refill per step; a free slot takes the next request on the very next decode step (inside the jitted loop).
 
   FP8 weights: the FP8 GEMM's rows do not depend on the batch (fixed K order, no split-K), so a request's tokens
   and log-probs do not depend on its neighbours. Long tail: 8 stop ids end completions at geometric lengths, with
   the max_new cap on the rest; requests = 3 prompts x 2 samples.
   """
   p = sparams["fp8"]
-  rs = {slots: sampler(slots).generate(p, PROMPTS, SP, n=N) for slots in (1, 4, 6)}
-  lengths = rs[1].lengths
+  rs = {(slots, 16): sampler(slots).generate(p, PROMPTS, SP, n=N) for slots in (1, 4, 6)}
+  rs[4, 1] = sampler(4, refills=1).generate(p, PROMPTS, SP, n=N)
+  lengths = rs[1, 16].lengths
   assert len(set(lengths.tolist())) >= 3, f"no long tail: lengths {lengths}"  # the test needs varied lengths
-  assert np.any(rs[1].finish_reason == smp.FINISH_STOP)
-  for slots in (4, 6):
+  assert np.any(rs[1, 16].finish_reason == smp.FINISH_STOP)
+  for key, r in rs.items():
     for x in ("tokens", "logprobs", "lengths", "finish_reason"):
-      np.testing.assert_array_equal(getattr(rs[slots], x), getattr(rs[1], x), err_msg=f"{x}, slots={slots}")
-  # refilling keeps the batch fuller than waiting for the longest request would
-  assert all(0 < r.stats["mean_occupancy"] <= 1 for r in rs.values())
-  assert rs[1].stats["generated_tokens"] == int(lengths.sum())
+      np.testing.assert_array_equal(getattr(r, x), getattr(rs[1, 16], x), err_msg=f"{x}, (slots, refills)={key}")
+    slots, cap = key
+    steps = _scheduled_steps(lengths.tolist(), slots, cap)
+    assert r.stats["decode_steps"] == steps, (key, r.stats["decode_steps"], steps)
+    np.testing.assert_allclose(r.stats["mean_occupancy"], lengths.sum() / (steps * slots), rtol=1e-12)
+    assert r.stats["generated_tokens"] == int(lengths.sum())
+
+
+def test_prompt_pages_are_shared_by_the_samples(sparams):
+  """The pool holds each prompt's pages once plus the slots' own pages (not n copies of every prompt): its size is
+  the layout's, far below a dense (slots x max_len) cache plus a prompt cache."""
+  s = sampler(4)
+  r = s.generate(sparams["bf16"], PROMPTS, SP, n=N)
+  lay = s.layout(len(PROMPTS), s.scfg.bucket(max(map(len, PROMPTS))), SP.max_new_tokens)
+  page = kvcache.key_block()
+  assert lay.page == page and lay.own_pages == min(lay.blocks, (SP.max_new_tokens - 1) // page + 2)
+  assert r.stats["kv_pages"] == len(PROMPTS) * lay.prompt_pages + 4 * lay.own_pages
+  heads, hd, _ = CFG.kv_cache_layout
+  per_page = 2 * CFG.n_layers * page * heads * hd * 2  # K and V, BF16
+  assert r.stats["kv_cache_bytes"] == r.stats["kv_pages"] * per_page
+  dense = kvcache.cache_bytes(CFG.n_layers, 4, MAX_LEN, heads, hd, False) + \
+      kvcache.cache_bytes(CFG.n_layers, len(PROMPTS), lay.prompt_pages * page, heads, hd, False)
+  assert r.stats["kv_cache_bytes"] < dense
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -407,9 +444,9 @@ def test_bad_configs_give_clear_errors(sparams, monkeypatch):
       smp.SamplingParams(top_p=top_p)
   with pytest.raises(ValueError, match="max_new_tokens"):
     smp.SamplingParams(max_new_tokens=0)
-  # a cache that does not fit: 2 layers x 4 slots x 64 x 2 heads x 64 x 2 (K, V) x 2 bytes = 256 KiB + the prompt
-  # cache; with 1 MiB "free" and slots=64 it needs 4 MiB.
+  # a cache that does not fit: 64 slots x 2 own pages of 16 positions (12 new tokens) + 3 prompts x 2 pages = 134
+  # pages x 16 x 2 layers x 2 heads x 64 x 2 (K, V) x 2 bytes = 2.1 MiB, with 1 MiB "free".
   monkeypatch.setattr(smp.jax, "local_devices", lambda *a: [_SmallDevice()])
   big = smp.Sampler(CFG, smp.SamplerConfig(slots=64, max_len=MAX_LEN))
-  with pytest.raises(ValueError, match=r"KV caches need .* GiB .*rollout.slots=64.*SmallDevice"):
+  with pytest.raises(ValueError, match=r"KV cache needs 2.1 MiB \(134 pages .*rollout.slots=64.*SmallDevice"):
     big.generate(p, PROMPTS, GREEDY)
