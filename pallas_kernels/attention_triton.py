@@ -137,14 +137,15 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_
   # Blocks every real row sees in full take the unmasked update (same bits); padding rows (pos -1) get garbage
   # there that nothing reads (out is sliced off, the backward masks P by position).
   n_full = jnp.minimum(lax.div(jnp.minimum(first, last) + 1, BLOCK_KV), n_blocks)
+  pages = None if pt_ref is None else pt_ref[b, :]  # this sequence's page table row (padded to a power of two)
 
   def block(j, carry, masked):
     start = pl.multiple_of(j * BLOCK_KV, BLOCK_KV)
     if pt_ref is None:
       keys = pl.ds(start, BLOCK_KV)
       kb, vb = k_ref[b, keys, kvh, :].astype(q.dtype), v_ref[b, keys, kvh, :].astype(q.dtype)
-    else:
-      page = pt_ref[b, j]
+    else:  # the page index from the row loaded before the loop: no load the K/V addresses wait on
+      page = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, pages.shape, 0) == j, pages, 0))
       kb, vb = k_ref[page, :, kvh, :].astype(q.dtype), v_ref[page, :, kvh, :].astype(q.dtype)
     key = start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0)
     return _update(carry, q, kb, vb, start, key, pos, last, qk_scale, masked=masked)
@@ -201,7 +202,9 @@ def _keys(k, v, page_table):
   if page_table is None:
     k, v = pad_keys(k, BLOCK_KV), pad_keys(v, BLOCK_KV)
     return k, v, (), k.shape[1] // BLOCK_KV
-  return k, v, (page_table.astype(jnp.int32),), page_table.shape[1]
+  nb = page_table.shape[1]
+  width = 1 << max(0, (nb - 1).bit_length())  # the kernel loads a row as one vector: a power of two (pad: page 0)
+  return k, v, (jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, width - nb))),), nb
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))

@@ -8,7 +8,7 @@ tunix's native JAX sampler as the peer, on Llama-3.1-8B shapes with random weigh
 Workloads (each config runs each one twice: the first call compiles, the second is timed):
   uniform    --slots prompts of --prompt_len random tokens, 1 sample each, no stop token: every request runs to
              exactly --max_new tokens (the issue's 256 x (512 -> 1024)).
-  long_tail  the same prompts, 2 samples each (2 x slots requests, one prefill per prompt), with a stop set of
+  long_tail  the same prompts, 2 samples each (--long_tail_samples; 2 x slots requests, one prefill per prompt), with a stop set of
              ~vocab * 4 / max_new random token ids: with near-uniform random-weight logits a completion stops after
              a roughly geometric number of tokens (mean ~max_new / 4) or at --max_new. The sampler has no
              per-request max length, so the stop set makes the tail; the JSON records the length distribution.
@@ -102,6 +102,9 @@ def parse_args(argv=None):
     p.add_argument(f"--{name}", type=int, default=None, help=f"default: {PRESETS['default'][name]} (preset)")
   p.add_argument("--configs", default="bf16,fp8,fp8kv", help="comma list of " + ",".join(CONFIGS))
   p.add_argument("--workloads", default="uniform,long_tail", help="comma list of uniform,long_tail")
+  p.add_argument("--long_tail_samples", type=int, default=2,
+                 help="samples per prompt of the long_tail workload (requests = slots x this): more than 2 keeps a "
+                      "queue of waiting requests, which is what slot refills are for")
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--kv_margin", type=float, default=1.25, help="FP8 KV scale margin over the calibrated amax")
   p.add_argument("--seed", type=int, default=0)
@@ -225,7 +228,7 @@ def run_fp8jax(a, cfg, name, params, prompts, workload, kv_scales=None) -> dict:
   else:
     sp = smp.SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new, seed=a.seed,
                             stop_token_ids=long_tail_stop_ids(cfg.vocab_size, a.max_new, a.seed))
-    n = 2
+    n = a.long_tail_samples
   t0 = time.perf_counter()
   ro = s.generate(params, prompts, sp, n=n, kv_scales=kv_scales)
   first_s = time.perf_counter() - t0
