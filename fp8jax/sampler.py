@@ -234,11 +234,6 @@ class Sampler:
   def __eq__(self, other):
     return isinstance(other, Sampler) and self._key() == other._key()
 
-  def _init_cache(self, slots: int, length: int, fp8: bool, k_scale_L=None, v_scale_L=None) -> kvc.KVCache:
-    heads, head_dim, values = self.cfg.kv_cache_layout  # GQA K and V, or MLA's latent
-    return kvc.init_cache(self.cfg.n_layers, slots, length, heads, head_dim, fp8=fp8, k_scale_L=k_scale_L,
-                          v_scale_L=v_scale_L, values=values)
-
   def layout(self, n_prompts: int, bucket: int, max_new_tokens: int) -> PageLayout:
     page = kvc.key_block()
     blocks = kvc.padded_len(self.scfg.max_len) // page
@@ -252,15 +247,16 @@ class Sampler:
 
   # -- jitted pieces ------------------------------------------------------------------------------------------------
 
-  @functools.partial(fp8jax.jit, static_argnums=(0, 5))
-  def _prefill(self, params, tokens_PxT, k_scale_L, v_scale_L, lay: PageLayout):
-    """The pool, with every prompt's pages written; its page table: each slot on its own pages."""
-    heads, head_dim, values = self.cfg.kv_cache_layout
+  @functools.partial(fp8jax.jit, static_argnums=(0, 5, 6))
+  def _prefill(self, params, tokens_PxT, k_scale_L, v_scale_L, lay: PageLayout, kv_cache: str):
+    """(the pool with every prompt's pages written, its page table each slot on its own pages; the forward's
+    ForwardAux: per-layer K/V amax). ``kv_cache``: the cache kind ("bf16" for the KV-scale calibration)."""
+    heads, head_dim, values = self.cfg.kv_cache_layout  # GQA K and V, or MLA's latent
     cache = kvc.init_pages(self.cfg.n_layers, lay.n_pages, lay.prompt_table(), heads, head_dim,
-                           fp8=self.scfg.kv_cache == "fp8", k_scale_L=k_scale_L, v_scale_L=v_scale_L, values=values)
+                           fp8=kv_cache == "fp8", k_scale_L=k_scale_L, v_scale_L=v_scale_L, values=values)
     pos = jnp.broadcast_to(jnp.arange(tokens_PxT.shape[1], dtype=jnp.int32), tokens_PxT.shape)
-    _, cache, _ = llama.forward(params, tokens_PxT, self.cfg, self.lcfg, positions_BxT=pos, cache=cache)
-    return dataclasses.replace(cache, page_table=lay.own_table())
+    _, cache, aux = llama.forward(params, tokens_PxT, self.cfg, self.lcfg, positions_BxT=pos, cache=cache)
+    return dataclasses.replace(cache, page_table=lay.own_table()), aux
 
   def _take(self, st: _State, rq: _Requests, lay: PageLayout, cap: int) -> _State:
     """Free slots take the next pending requests (at most ``cap``, lowest slots first): page table rows on the
@@ -351,14 +347,6 @@ class Sampler:
             f"lower rollout.slots, rollout.max_new_tokens or the prompts per step, or use fp8.kv_cache='fp8'")
     return need
 
-  @functools.partial(fp8jax.jit, static_argnums=(0,))
-  def _calibration_amax(self, params, tokens_PxT):
-    c = self.cfg
-    pos = jnp.broadcast_to(jnp.arange(tokens_PxT.shape[1], dtype=jnp.int32), tokens_PxT.shape)
-    cache = self._init_cache(tokens_PxT.shape[0], tokens_PxT.shape[1], False)
-    _, _, aux = llama.forward(params, tokens_PxT, c, self.lcfg, positions_BxT=pos, cache=cache)
-    return aux.k_amax_L, aux.v_amax_L
-
   def calibrate_kv_scales(self, params, prompts: list[list[int]], margin: float):
     """Per-layer FP8 KV scales from a BF16-cache prefill of ``prompts`` (before any training step).
 
@@ -366,8 +354,10 @@ class Sampler:
     make the scales more conservative.
     """
     toks, _ = self._pad_prompts(prompts)
-    k_amax, v_amax = self._calibration_amax(params, toks)
-    return kvc.scales_from_amax(k_amax, margin), kvc.scales_from_amax(v_amax, margin)
+    lay = dataclasses.replace(self.layout(*toks.shape, 1), slots=0)  # the prompts' pages only
+    ones = jnp.ones(self.cfg.n_layers)
+    _, aux = self._prefill(params, toks, ones, ones, lay, "bf16")
+    return kvc.scales_from_amax(aux.k_amax_L, margin), kvc.scales_from_amax(aux.v_amax_L, margin)
 
   def _pad_prompts(self, prompts):
     lens = np.array([len(p) for p in prompts], np.int32)
@@ -398,7 +388,7 @@ class Sampler:
     prompt_of_req = np.repeat(np.arange(n_prompts), n)
     rq = lay.requests(prompt_of_req, lens, np.asarray(toks)[np.arange(n_prompts), lens - 1])
     t0 = time.perf_counter()
-    cache = self._prefill(params, toks, ks, vs, lay)
+    cache, _ = self._prefill(params, toks, ks, vs, lay, s.kv_cache)
     jax.block_until_ready(cache.k[0])
     t_prefill = time.perf_counter() - t0
 

@@ -61,7 +61,7 @@ def test_latent_cache_layout(master):
   for kv, dtype in (("bf16", jnp.bfloat16), ("fp8", quant.FP8_DTYPE)):
     s = sampler(kv)
     lay = s.layout(1, 16, 4)  # one prompt of 16 positions (1 page), 4 new tokens: 2 own pages per slot
-    cache = s._prefill(p, jnp.asarray([PROMPTS[0] + [0] * 11]), jnp.ones(2), jnp.ones(2), lay)
+    cache, _ = s._prefill(p, jnp.asarray([PROMPTS[0] + [0] * 11]), jnp.ones(2), jnp.ones(2), lay, kv)
     pages = 1 + s.scfg.slots * 2
     assert lay.n_pages == pages and cache.page_table.shape == (s.scfg.slots, 3)  # 48 positions = 3 blocks
     assert [c.shape for c in cache.k] == [(pages, 16, 1, 128)] * 2 and cache.v == [] and cache.k[0].dtype == dtype
