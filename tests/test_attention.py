@@ -3,8 +3,9 @@
 CPU (CI): the blocked reference against textbook softmax attention; decode rows == training rows bit for bit through
 ``attend`` (BF16 and FP8 K/V, stale and NaN cache rows); the kernels in interpret mode against the reference
 (forward: training/prefill rows and decode rows, GQA, ragged lengths, padding and length-1 rows, both K/V forms;
-backward: dq, dk, dv against autodiff of the reference) and decode == training bitwise; lowering for the ``cuda``
-platform (Pallas -> Triton IR for an abstract H200); backend selection and errors.
+backward: dq, dk, dv against autodiff of the reference) and decode == training bitwise; the paged cache form (pages
+in any order of a pool) bitwise the dense one; ``attend`` per device on 4 fake devices (dense and paged); lowering
+for the ``cuda`` platform (Pallas -> Triton IR for an abstract H200); backend selection and errors.
 GPU (``-m gpu``): the compiled kernels against the reference, bitwise decode == training for random batches and
 lengths, gradients against the reference's.
 
@@ -20,7 +21,11 @@ Error bounds (relative Frobenius norm ||out - ref|| / ||ref||):
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -309,6 +314,54 @@ def test_backend_selection_is_reported_and_pallas_refuses_without_a_gpu(monkeypa
   assert any("head_dim 96" in r.message for r in caplog.records)
   with pytest.raises(RuntimeError, match="head_dim 96"):
     attn.resolve_backend("pallas", q96, q96[:, :, :1])
+
+
+ATTEND_MESH_SCRIPT = r"""
+import os, sys, json, functools
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
+import fp8jax, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from fp8jax import attention as attn
+from pallas_kernels import attention as ref, attention_triton as kern
+import test_attention as t
+
+class Interpret:  # the Triton kernels in interpret mode stand in for the GPU ones
+  TuningConfig = kern.TuningConfig
+  attention_seq = functools.partial(kern.attention_seq, interpret=True)
+  attention_heads = functools.partial(kern.attention_heads, interpret=True)
+  attention_seq_bwd = functools.partial(kern.attention_seq_bwd, interpret=True)
+attn._kernels = lambda: Interpret
+attn.resolve_backend = lambda requested, q, k: "pallas"
+mesh = Mesh(np.asarray(jax.devices()).reshape(2, 1, 2), ("data", "fsdp", "tensor"))
+b, t_, h, kv, d = 4, 150, 8, 4, 64
+q, k, v, ks, vs = t._qkv(3, b, t_, h, kv, d, fp8=True)
+ck, cv = t._cache_with_stale_rows(k, v, 256, 0)
+pk, pv, table = t._shuffled_pages(ck, cv, ref.BLOCK_KV, 0)
+ps = jnp.asarray([3, 140, 77, 128], jnp.int32)
+qd = q[jnp.arange(b), ps][:, None]
+def go(mesh, *a, pt=None):
+  return np.asarray(jax.jit(lambda q, k, v, p: attn.attend(q, k, v, p, k_scale=ks, v_scale=vs, mesh=mesh,
+                                                          page_table=pt))(*a), np.float32)
+out = dict(dense=bool((go(None, qd, ck, cv, ps[:, None]) == go(mesh, qd, ck, cv, ps[:, None])).all()),
+           paged=bool((go(None, qd, pk, pv, ps[:, None], pt=table) == go(mesh, qd, pk, pv, ps[:, None], pt=table)).all()),
+           paged_vs_dense=bool((go(mesh, qd, pk, pv, ps[:, None], pt=table) == go(None, qd, ck, cv, ps[:, None])).all()),
+           shard_map="shard_map" in str(jax.make_jaxpr(lambda q, k, v, p: attn.attend(
+               q, k, v, p, k_scale=ks, v_scale=vs, mesh=mesh, page_table=table))(qd, pk, pv, ps[:, None])))
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_attend_runs_per_device_on_a_mesh_dense_and_paged():
+  """On 4 fake devices (sequences over data x heads over tensor), the kernels run under shard_map, each device on its
+  sequences and heads; a paged cache's pool is split by heads only (every device holds every page) and its page
+  table by sequences. Decode rows bitwise the one-device rows, dense and paged (interpret-mode kernels)."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  res = subprocess.run([sys.executable, "-c", ATTEND_MESH_SCRIPT.format(repo=repo)], capture_output=True, text=True,
+                       timeout=600)
+  assert res.returncode == 0, res.stderr[-3000:]
+  out = json.loads(res.stdout.split("RESULT")[-1])
+  assert out == {"dense": True, "paged": True, "paged_vs_dense": True, "shard_map": True}, out
 
 
 def test_bad_operands_name_the_shapes():
