@@ -4,8 +4,9 @@ How a batch of requests (prompts x n samples) is generated:
   1. paged KV cache (``fp8jax.kvcache``): one pool of pages per layer, a page being one attention key block; a slot's
      page table names the page of each of its key blocks;
   2. prefill: one forward over the *distinct* prompts (right-padded to a length bucket) writes each prompt's pages
-     once; the n samples of a prompt share them (prompt sharing: one prefill and one copy per prompt, never n). Only
-     the page holding the last prompt token, where the samples start writing, is copied into each sample's own page;
+     once; the n samples of a prompt share them (prompt sharing: one prefill per prompt and its pages held once, never
+     n times). Only the page holding the last prompt token, where the samples start writing, is copied into each
+     sample's own page;
   3. continuous batching inside the jitted loop: ``slots`` rows decode one token per step; at the start of every
      step, free slots take the next pending requests (at most ``max_refills_per_step``): their page tables point at
      the prompt's pages, then at the slot's own pages, and they re-read the last prompt token to produce the first
