@@ -162,8 +162,6 @@ class _Requests:
   prompt_of_req: jax.Array  # (R,) prompt index of each request
   prompt_len: jax.Array  # (Np,)
   last_tok: jax.Array  # (Np,) the last prompt token (re-read by the first decode step)
-  prompt_page0: jax.Array  # (Np,) the first of a prompt's pages (consecutive)
-  own_page0: jax.Array  # (S,) the first of a slot's own pages (consecutive)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,22 +184,29 @@ class PageLayout:
   def n_pages(self) -> int:
     return self.n_prompts * self.prompt_pages + self.slots * self.own_pages
 
-  def requests(self, prompt_of_req, prompt_len, last_tok) -> _Requests:
-    return _Requests(prompt_of_req=jnp.asarray(prompt_of_req, jnp.int32), prompt_len=jnp.asarray(prompt_len, jnp.int32),
-                     last_tok=jnp.asarray(last_tok, jnp.int32),
-                     prompt_page0=jnp.arange(self.n_prompts, dtype=jnp.int32) * self.prompt_pages,
-                     own_page0=self.n_prompts * self.prompt_pages + jnp.arange(self.slots, dtype=jnp.int32)
-                     * self.own_pages)
+  def prompt_page0(self, prompt):
+    """The first of a prompt's (consecutive) pages."""
+    return prompt * self.prompt_pages
+
+  def own_page0(self) -> jax.Array:
+    """(S,) the first of each slot's (consecutive) own pages."""
+    return self.n_prompts * self.prompt_pages + jnp.arange(self.slots, dtype=jnp.int32) * self.own_pages
+
+  def table_rows(self, prompt_S, shared_S) -> jax.Array:
+    """(S, blocks) page tables: blocks below ``shared`` on the prompt's pages, the rest on the slot's own pages
+    (blocks past the last own page, which no request reaches, repeat it)."""
+    j = jnp.arange(self.blocks, dtype=jnp.int32)[None]
+    own = self.own_page0()[:, None] + jnp.minimum(j - shared_S[:, None], self.own_pages - 1)
+    return jnp.where(j < shared_S[:, None], self.prompt_page0(prompt_S)[:, None] + j, own)
 
   def own_table(self) -> jax.Array:
     """Every slot on its own pages (the table before any request: idle slots write there only)."""
-    j = jnp.arange(self.blocks, dtype=jnp.int32)
-    first = self.n_prompts * self.prompt_pages + jnp.arange(self.slots, dtype=jnp.int32)[:, None] * self.own_pages
-    return jnp.minimum(first + jnp.minimum(j, self.own_pages - 1)[None], self.n_pages - 1)
+    zero = jnp.zeros((self.slots,), jnp.int32)
+    return self.table_rows(zero, zero)
 
   def prompt_table(self) -> jax.Array:
-    return (jnp.arange(self.n_prompts, dtype=jnp.int32)[:, None] * self.prompt_pages
-            + jnp.arange(self.prompt_pages, dtype=jnp.int32)[None])
+    return self.prompt_page0(jnp.arange(self.n_prompts, dtype=jnp.int32))[:, None] + \
+        jnp.arange(self.prompt_pages, dtype=jnp.int32)[None]
 
 
 def prepare_params(params, recipe: quant.Recipe, dtype=jnp.bfloat16):
@@ -271,13 +276,12 @@ class Sampler:
     p = rq.prompt_of_req[jnp.clip(req, 0, r - 1)]
     plen = rq.prompt_len[p]
     shared = (plen - 1) // lay.page  # blocks read from the prompt's pages
-    j = jnp.arange(lay.blocks, dtype=jnp.int32)[None]
-    row = jnp.where(j < shared[:, None], rq.prompt_page0[p][:, None] + j, rq.own_page0[:, None] + j - shared[:, None])
-    table = jnp.where(take[:, None], jnp.minimum(row, lay.n_pages - 1), st.cache.page_table)
+    table = jnp.where(take[:, None], lay.table_rows(p, shared), st.cache.page_table)
     ids = jnp.nonzero(take, size=cap, fill_value=s)[0]  # the taking slots
     idc = jnp.minimum(ids, s - 1)
-    dst = jnp.where(ids < s, rq.own_page0[idc], lay.n_pages)  # no taker: out of range, dropped
-    cache = kvc.copy_pages(dataclasses.replace(st.cache, page_table=table), rq.prompt_page0[p[idc]] + shared[idc], dst)
+    dst = jnp.where(ids < s, lay.own_page0()[idc], lay.n_pages)  # no taker: out of range, dropped
+    cache = kvc.copy_pages(dataclasses.replace(st.cache, page_table=table), lay.prompt_page0(p[idc]) + shared[idc],
+                           dst)
     return dataclasses.replace(
         st, cache=cache, slot_req=jnp.where(take, req, st.slot_req), slot_pos=jnp.where(take, plen - 1, st.slot_pos),
         slot_tok=jnp.where(take, rq.last_tok[p], st.slot_tok), slot_gen=jnp.where(take, 0, st.slot_gen),
@@ -387,7 +391,8 @@ class Sampler:
     ks, vs = kv_scales if fp8 else (jnp.ones(c.n_layers), jnp.ones(c.n_layers))
     r = n_prompts * n
     prompt_of_req = np.repeat(np.arange(n_prompts), n)
-    rq = lay.requests(prompt_of_req, lens, np.asarray(toks)[np.arange(n_prompts), lens - 1])
+    rq = _Requests(prompt_of_req=jnp.asarray(prompt_of_req, jnp.int32), prompt_len=jnp.asarray(lens, jnp.int32),
+                   last_tok=jnp.asarray(np.asarray(toks)[np.arange(n_prompts), lens - 1], jnp.int32))
     t0 = time.perf_counter()
     cache, _ = self._prefill(params, toks, ks, vs, lay, s.kv_cache)
     jax.block_until_ready(cache.k[0])

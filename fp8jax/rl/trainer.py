@@ -311,7 +311,8 @@ class RLTrainer:
     r = config.rollout
     self.scfg = sampler_lib.SamplerConfig(slots=r.slots, max_len=r.max_len, prompt_buckets=tuple(r.prompt_buckets),
                                           kv_cache=self.sample_recipe.kv_cache, decode_chunk=r.decode_chunk,
-                                          max_refills_per_step=r.get("max_refills_per_step", 16))
+                                          max_refills_per_step=r.get("max_refills_per_step",
+                                                                     sampler_lib.SamplerConfig.max_refills_per_step))
     self.task = _make_task(config, self.cfg)
     # rollout.seed varies the rollouts' sampling only (the task's problems, validation set and model init come from
     # seed), so several RL seeds can start from one warm start (scripts/parity.py); 0 is the historical stream.
