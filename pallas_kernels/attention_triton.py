@@ -71,10 +71,6 @@ class TuningConfig:
   bwd_block_kv: int = 64
   bwd_num_warps: int = 4
   bwd_num_stages: int = 2
-  # Keys on the GEMMs' M side (experimental): S^T = K Q^T and O^T = V^T P^T, so the K/V blocks are the register
-  # (A) operands that FP8 codes are upcast into, and the query rows are the N side, which may be as narrow as 16
-  # (decode's G heads). Bits: training and decode must both use it (the same tile body); see bench_attention --sweep.
-  keys_on_m: bool = False
 
   def __post_init__(self):
     for name in ("bwd_block_q", "bwd_block_kv"):
@@ -127,29 +123,7 @@ def _update(carry, q, kb, vb, start, key, pos, last, qk_scale, *, masked: bool):
   return (jnp.where(active, m_new, m), jnp.where(active, l_new, l), jnp.where(active[:, None], acc_new, acc))
 
 
-def _update_keys_on_m(carry, q, kb, vb, start, key, pos, last, qk_scale, *, masked: bool):
-  """``_update`` with keys on the M side: the same online softmax on the transposed scores S^T (keys x rows) and
-  the transposed accumulator (D x rows)."""
-  m, l, acc_t = carry
-  if masked:
-    vb = jnp.where((key <= last)[:, None], vb, jnp.zeros((), vb.dtype))
-  s_t = lax.dot_general(kb, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * qk_scale
-  if masked:
-    s_t = jnp.where(key[:, None] <= pos[None, :], s_t, -jnp.inf)
-  m_new = jnp.maximum(m, jnp.max(s_t, axis=0))
-  m0 = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-  alpha = jnp.exp2(m - m0)
-  p_t = jnp.exp2(s_t - m0[None, :])
-  l_new = l * alpha + jnp.sum(p_t, axis=0)
-  acc_new = acc_t * alpha[None, :] + lax.dot_general(vb, p_t.astype(vb.dtype), (((0,), (0,)), ((), ())),
-                                                     preferred_element_type=jnp.float32)
-  if not masked:
-    return m_new, l_new, acc_new
-  active = start <= pos
-  return (jnp.where(active, m_new, m), jnp.where(active, l_new, l), jnp.where(active[None, :], acc_new, acc_t))
-
-
-def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_ref=None, keys_on_m: bool = False):
+def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_ref=None):
   """(block_q, D) query rows at positions ``pos`` over key/value head ``kvh`` of sequence ``b`` ->
   (out (block_q, D) in q's dtype, lse (block_q,) FP32 log2 units; +inf for a row that sees no key).
 
@@ -174,38 +148,34 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_
       page = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, pages.shape, 0) == j, pages, 0))
       kb, vb = k_ref[page, :, kvh, :].astype(q.dtype), v_ref[page, :, kvh, :].astype(q.dtype)
     key = start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0)
-    return (_update_keys_on_m if keys_on_m else _update)(carry, q, kb, vb, start, key, pos, last, qk_scale,
-                                                         masked=masked)
+    return _update(carry, q, kb, vb, start, key, pos, last, qk_scale, masked=masked)
 
-  acc0 = jnp.zeros((d, bq) if keys_on_m else (bq, d), jnp.float32)
-  carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32), acc0)
+  carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32))
   carry = lax.fori_loop(0, n_full, functools.partial(block, masked=False), carry)
   m, l, acc = lax.fori_loop(n_full, n_blocks, functools.partial(block, masked=True), carry)
   seen = l > 0
   inv = jnp.where(seen, v_scale / jnp.where(seen, l, 1.0), 0.0)
-  out = ((acc * inv[None, :]).T if keys_on_m else acc * inv[:, None]).astype(q.dtype)
+  out = (acc * inv[:, None]).astype(q.dtype)
   lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
   return out, lse
 
 
-def _seq_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool,
-                    keys_on_m: bool):
+def _seq_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool):
   pt_ref, (o_ref, lse_ref) = (rest[0], rest[1:]) if paged else (None, rest)
   b, h, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
   out, lse = _attend_tile(q_ref[b, rows, h, :], pos_ref[b, rows], k_ref, v_ref, b, lax.div(h, g), sc_ref[0],
-                          sc_ref[1], n_kb, pt_ref, keys_on_m)
+                          sc_ref[1], n_kb, pt_ref)
   o_ref[b, rows, h, :] = out
   lse_ref[b, h, rows] = lse
 
 
-def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, n_kb: int, bq: int, paged: bool,
-                      keys_on_m: bool):
+def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, n_kb: int, bq: int, paged: bool):
   pt_ref, o_ref = (rest[0], rest[1]) if paged else (None, rest[0])
   b, kvh, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
   out, _ = _attend_tile(q_ref[b, kvh, rows, :], pos_ref[b, rows], k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb,
-                        pt_ref, keys_on_m)
+                        pt_ref)
   o_ref[b, kvh, rows, :] = out
 
 
@@ -251,8 +221,7 @@ def attention_seq(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale,
   k, v, extra, n_kb = _keys(k_BxSxKxD, v_BxSxKxD, page_table_BxNb)
   tp = q.shape[1]
   out, lse = pl.pallas_call(
-      functools.partial(_seq_fwd_kernel, g=g, n_kb=n_kb, bq=config.block_q, paged=bool(extra),
-                        keys_on_m=config.keys_on_m),
+      functools.partial(_seq_fwd_kernel, g=g, n_kb=n_kb, bq=config.block_q, paged=bool(extra)),
       out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, tp), jnp.float32)),
       grid=(b, h, tp // config.block_q),
       compiler_params=_params(config.num_warps, config.num_stages),
@@ -276,8 +245,7 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
   pos = jnp.where(jnp.arange(r) < g, q_pos_B.astype(jnp.int32)[:, None], -1)
   k, v, extra, n_kb = _keys(k_BxSxKxD, v_BxSxKxD, page_table_BxNb)
   out = pl.pallas_call(
-      functools.partial(_heads_fwd_kernel, n_kb=n_kb, bq=config.decode_block_q, paged=bool(extra),
-                        keys_on_m=config.keys_on_m),
+      functools.partial(_heads_fwd_kernel, n_kb=n_kb, bq=config.decode_block_q, paged=bool(extra)),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       grid=(b, n_kv, r // config.decode_block_q),
       compiler_params=_params(config.decode_num_warps, config.decode_num_stages if k.dtype == jnp.float8_e4m3fn

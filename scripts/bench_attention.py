@@ -267,29 +267,13 @@ def _bitwise_decode_equals_training(cfg, kern, b=4, t=1500):
   return ok
 
 
-def sweep_configs(which: str):
-  """The configs of a sweep: "tiles" (row tiles and pipelines of the default orientation) or "keys_on_m" (the
-  transposed tile, TuningConfig.keys_on_m, beside the default)."""
-  from pallas_kernels import attention_triton as kern  # noqa: PLC0415
-  TC = kern.TuningConfig
-  if which == "tiles":
-    return [TC(), TC(decode_block_q=16, decode_num_warps=1), TC(decode_block_q=16, decode_num_warps=4),
-            TC(decode_block_q=32, decode_num_warps=2), TC(decode_block_q=64, decode_num_warps=4, decode_num_stages=3)]
-  if which == "keys_on_m":
-    k = dict(keys_on_m=True)
-    return [TC(), TC(**k, decode_block_q=16), TC(**k, decode_block_q=16, decode_num_warps=8),
-            TC(**k, block_q=128, num_warps=4, decode_block_q=16),
-            TC(**k, block_q=64, num_warps=4, decode_block_q=16, decode_num_stages=3),
-            TC(**k, decode_block_q=64), TC(**k, decode_block_q=16, decode_num_stages=1)]
-  raise ValueError(f"--sweep_set must be tiles or keys_on_m, got {which!r}")
-
-
-def sweep_rows(which="tiles", b=8, t=4096, slots=256, max_len=1536, mean_ctx=1024):
+def sweep_rows(b=8, t=4096, slots=256, max_len=1536, mean_ctx=1024):
   """Tile / pipeline configs side by side: training forward, fwd+bwd, decode (FP8 and BF16 K/V), and whether the
   config's decode rows equal its training rows bit for bit."""
   from pallas_kernels import attention_triton as kern  # noqa: PLC0415
   TC = kern.TuningConfig
-  fwd_cfgs = sweep_configs(which)
+  fwd_cfgs = [TC(), TC(decode_block_q=16, decode_num_warps=1), TC(decode_block_q=16, decode_num_warps=4),
+              TC(decode_block_q=32, decode_num_warps=2), TC(decode_block_q=64, decode_num_warps=4, decode_num_stages=3)]
   bwd_cfgs = [TC()]
   q, k, v, do = jax.block_until_ready(_inputs(b, t, seed=3))
   pos = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -342,7 +326,6 @@ def main():
   p.add_argument("--no_decode", action="store_true")
   p.add_argument("--train_step", action="store_true")
   p.add_argument("--sweep", action="store_true", help="tile / pipeline configs side by side (and their bits)")
-  p.add_argument("--sweep_set", default="tiles", help="tiles | keys_on_m (sweep_configs)")
   p.add_argument("--seqs", type=int, default=8)
   p.add_argument("--seq_len", type=int, default=4096)
   p.add_argument("--layers", type=int, default=2)
@@ -356,7 +339,7 @@ def main():
   log("device:", jax.devices()[0].device_kind, "| jax", jax.__version__, "| date", time.strftime("%Y-%m-%d %H:%M:%S"))
   result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d")}
   if a.sweep:
-    result["sweep"] = rows = sweep_rows(a.sweep_set)
+    result["sweep"] = rows = sweep_rows()
     name = "attention_sweep.json"
     table = [f"{'kind':4s} {'fwd TF/s':>8s} {'fwd+bwd ms':>10s} {'dec fp8 GB/s':>12s} {'dec bf16 GB/s':>13s} "
              f"{'bitwise':>7s}  config"]
