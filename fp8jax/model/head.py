@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8jax import ops, quant
+from pallas_kernels.fp8_gemm import ordered_sum
 
 # Vocabulary columns per chunk: a multiple of the 128-row weight blocks (so a chunk of a QWeight is whole blocks).
 # At 8 x 4096 training tokens a chunk's FP32 logits are 1 GiB. Fixed: the sampler and the trainer must chunk alike.
@@ -60,10 +61,16 @@ def _chunk_logits(h_NxD, w, start, size: int, lcfg: ops.LinearConfig):
 
 def _stats(z_NxC):
   """(m, s, t) of one chunk of scaled logits (module docstring). m carries no gradient: logsumexp does not depend
-  on the shift, so stopping it changes no derivative and keeps max's subgradient out of the backward pass."""
+  on the shift, so stopping it changes no derivative and keeps max's subgradient out of the backward pass.
+
+  The sums: on CPU ``ordered_sum`` (pairwise, one order for every shape: XLA:CPU's row reductions follow the whole
+  shape, so at N = slots and N = tokens a row could round differently, seen on the tiny default 2026-12-02 as one
+  FP32 ulp in 5 of 2000 sampled log-probs); on GPUs XLA's fusions, with the fusion autotuner off
+  (``fp8jax.COMPILER_OPTIONS``: it chose tilings per shape)."""
+  row_sum = ordered_sum if jax.default_backend() == "cpu" else (lambda x: jnp.sum(x, axis=-1))
   m = lax.stop_gradient(jnp.max(z_NxC, axis=-1))
   e = jnp.exp(z_NxC - m[:, None])
-  return m, jnp.sum(e, axis=-1), jnp.sum(e * z_NxC, axis=-1)
+  return m, row_sum(e), row_sum(e * z_NxC)
 
 
 def _combine(stats):
