@@ -1,6 +1,6 @@
 """fp8jax.one_engine's checks: the sampler's arithmetic vs the trainer's, whole and block by block.
 
-CPU: bit for bit (every row reduction and GEMM of the path runs fixed-shape row tiles there; until 2026-12-02
+CPU: bit for bit (GEMMs and attention in fixed-shape row tiles, RMSNorm and head sums in a fixed order; until 2026-12-02
 XLA:CPU's whole-array RMSNorm and head reductions left ulps, bounded here by 1 + 1e-5). GPU (sm_90, the Pallas
 GEMM, attention and RMSNorm kernels, XLA's fusion autotuner off): bits too, for every recipe."""
 

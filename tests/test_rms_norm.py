@@ -144,7 +144,7 @@ def test_gpu_matches_reference_and_rows_are_batch_invariant(d):
 
 
 def test_cpu_path_equals_the_reference_and_the_trainers_rows_do_not_follow_the_batch():
-  """The CPU path (``rms_norm_invariant``, fixed row tiles): the reference's values, and the tiny default's trainer
+  """The CPU path (``rms_norm_invariant``, a fixed-order sum): the reference's values, and the tiny default's trainer
   log-probs of 32 sequences bitwise those rows of a 128-sequence batch, with and without FP8 KV scales (with
   whole-array XLA:CPU reductions one row of 32 differed for both cases here, by up to 5.2e-3, AMD EPYC 2026-12-02:
   the data decide which row lands near a rounding tie)."""

@@ -349,8 +349,8 @@ def test_prompt_pages_are_shared_by_the_samples(sparams):
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
 def test_sampler_logprobs_match_trainer(master, sparams, kv_scales, recipe, kv, record_property):
-  """The sampler's log-probs are the trainer's forward's (mark_fp8 master params) bit for bit on CPU: the GEMMs, the
-  attention reference, RMSNorm and the head's row statistics all run fixed-shape row tiles there.
+  """The sampler's log-probs are the trainer's forward's (mark_fp8 master params) bit for bit on CPU: the GEMMs and the
+  attention reference run fixed-shape row tiles there, RMSNorm and the head's row sums one fixed order.
 
   With an FP8 KV cache the trainer applies the same K/V quantization (kv_scales). The alternative, BF16 attention
   in training against an FP8-KV rollout, is measured too: its mismatch must be larger (it is the one the identical

@@ -19,7 +19,7 @@ def rms_norm(x, w, eps, backend: str = "auto", mesh=None):
   On a CUDA GPU ("auto" / "pallas", config key model.norm_backend) the rows go through the fixed-tile Pallas kernel,
   so that a row's bits do not depend on the number of rows (the sampler's decode rows are the trainer's); its
   backward is the reference's. Elsewhere, or for widths the kernel does not take (logged, ``ops.backend_report``),
-  the reference (on CPU in fixed row tiles, ``rms_norm_invariant``: batch invariant there too). ``mesh``: on a
+  the reference (on CPU with a fixed-order sum, ``rms_norm_invariant``: batch invariant there too). ``mesh``: on a
   multi-device mesh the kernel runs per device (``_per_device``)."""
   if _norm_backend(backend, x) == "pallas":
     return _per_device(lambda x_, w_: _rms_norm_kernel(x_, w_, eps), mesh, x)(x, w)
