@@ -1,9 +1,19 @@
-"""The one way a config group (ConfigDict or dict) becomes a frozen dataclass: unknown keys fail, naming the group."""
+"""Configs: the one way a config group (ConfigDict or dict) becomes a frozen dataclass (unknown keys fail, naming the
+group), and the one loader of a configs/*.py file outside absl's flags."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any
+
+
+def load_config_file(path: str):
+  """``get_config()`` of a configs/*.py file (scripts that take a config path without absl's config flags)."""
+  spec = importlib.util.spec_from_file_location("_fp8jax_config", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config()
 
 
 def dataclass_from_group(cls, group: Any, name: str):

@@ -69,16 +69,16 @@ def invariant_dot(a_MxK, b_NxK):
 
 
 @jax.custom_vjp
-def ordered_sum(x):
+def pairwise_sum(x):
   """Sum over the last axis in one fixed order on every backend and for every shape: pairwise halving (zero-padded to
   a power of two), i.e. only elementwise adds, so no reduction emitter chooses the order. XLA:CPU's row reductions
   pick their vectorization from the whole shape, so ``jnp.sum`` of the same row can round differently among 128 rows
   than among 4096; the batch-invariant CPU paths (the RMSNorm and output-head references) sum with this instead.
   Its gradient is a sum's (the cotangent broadcast over the axis), not the transposed tree of slices."""
-  return _ordered_sum(x)
+  return _pairwise_sum(x)
 
 
-def _ordered_sum(x):
+def _pairwise_sum(x):
   n = x.shape[-1]
   width = 1 << max(0, (n - 1).bit_length())
   if width != n:
@@ -89,7 +89,14 @@ def _ordered_sum(x):
   return x[..., 0]
 
 
-ordered_sum.defvjp(lambda x: (_ordered_sum(x), x.shape), lambda shape, g: (jnp.broadcast_to(g[..., None], shape),))
+pairwise_sum.defvjp(lambda x: (_pairwise_sum(x), x.shape), lambda shape, g: (jnp.broadcast_to(g[..., None], shape),))
+
+
+def invariant_sum(x):
+  """Sum over the last axis whose rows do not depend on the row count: ``pairwise_sum`` on CPU (as ``invariant_dot``
+  runs fixed tiles there), a plain ``jnp.sum`` elsewhere (on GPUs XLA's fusions, tiled alike at every N once the
+  fusion autotuner is off: ``fp8jax.COMPILER_OPTIONS``)."""
+  return pairwise_sum(x) if jax.default_backend() == "cpu" else jnp.sum(x, axis=-1)
 
 
 def bf16_gemm_reference(a_MxK, b_NxK, out_dtype=jnp.float32):

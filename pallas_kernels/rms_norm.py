@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.fp8_gemm import ordered_sum
+from pallas_kernels.fp8_gemm import invariant_sum
 
 # Rows with max |x| above this are rescaled before mean(x^2): below it, x^2 <= 2**96 and a sum of up to 2**32 of them
 # stays below FP32's max (2**128).
@@ -62,11 +62,9 @@ def rms_norm_invariant(x, w, eps: float):
   """``rms_rows`` whose rows do not depend on how many rows there are, also on XLA:CPU (the kernel's job on GPUs).
 
   XLA:CPU, too, picks how it reduces a row from the whole shape: the tiny default's trainer normalized one row of
-  32 sequences differently (one BF16 ulp) when the batch had 128 sequences (2026-12-02). On CPU the sum of squares is
-  therefore ``ordered_sum`` (pairwise, a fixed order for every shape). Other platforms get the plain reference."""
-  if jax.default_backend() != "cpu":
-    return rms_rows(x, w, eps)
-  return rms_rows(x, w, eps, row_sum=ordered_sum)
+  32 sequences differently (one BF16 ulp) when the batch had 128 sequences (2026-12-02). The sum of squares is
+  therefore ``invariant_sum`` (on CPU pairwise, a fixed order for every shape; elsewhere the plain sum)."""
+  return rms_rows(x, w, eps, row_sum=invariant_sum)
 
 
 def rows_per_tile(d: int) -> int:

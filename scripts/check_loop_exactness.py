@@ -17,7 +17,6 @@ Prints one JSON line per step. XLA options under test go in XLA_FLAGS (docs/benc
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
@@ -31,15 +30,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fp8jax import kvcache  # noqa: E402
+from fp8jax.config_utils import load_config_file  # noqa: E402
 from fp8jax.rl.trainer import RLTrainer  # noqa: E402
 
 
 def load_config(path, a):
-  spec = importlib.util.spec_from_file_location("config", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config()
+  c = load_config_file(path)
   with c.unlocked():
     c.task = "arithmetic"
     c.model.n_layers = a.layers
@@ -84,10 +80,7 @@ def check_step(tr: RLTrainer, step: int) -> dict:
   r["train_step_leaves_differ"] = differing_leaves(new.params, again.params)
   del again
   tr.state = new
-  if tr.sample_recipe.kv_cache == "fp8":
-    margin = float(tr.c.rollout.kv_scale_margin)
-    tr._set_kv_scales((kvcache.scales_from_amax(metrics["k_amax_L"], margin),
-                       kvcache.scales_from_amax(metrics["v_amax_L"], margin)))
+  tr._recalibrate_kv_scales(metrics)
   return r
 
 

@@ -15,7 +15,6 @@ has ``model`` (and, for ``--format fp8``, ``fp8``) groups.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shutil
 import sys
@@ -27,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from fp8jax import hf, quant  # noqa: E402
+from fp8jax.config_utils import load_config_file  # noqa: E402
 from fp8jax.model import ModelConfig, param_shapes  # noqa: E402
 
 PARAMS_SUBDIR, HF_SUBDIR = "params", "hf"
@@ -61,10 +61,7 @@ def hf_to_ckpt(hf_dir: str, ckpt_dir: str, pow2_scales: bool = False) -> ModelCo
 def load_model_config(path: str) -> tuple[ModelConfig, quant.Recipe | None]:
   """HF config.json / HF dir, or a configs/*.py with get_config() -> (ModelConfig, fp8 Recipe or None)."""
   if path.endswith(".py"):
-    spec = importlib.util.spec_from_file_location("_fp8jax_config", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    c = mod.get_config()
+    c = load_config_file(path)
     recipe = quant.Recipe.from_config(c.fp8) if "fp8" in c else None
     return ModelConfig.from_config(c.model), recipe
   return hf.load_config(os.path.dirname(path) if path.endswith(".json") else path), None

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8jax import ops, quant
-from pallas_kernels.fp8_gemm import ordered_sum
+from pallas_kernels.fp8_gemm import invariant_sum
 
 # Vocabulary columns per chunk: a multiple of the 128-row weight blocks (so a chunk of a QWeight is whole blocks).
 # At 8 x 4096 training tokens a chunk's FP32 logits are 1 GiB. Fixed: the sampler and the trainer must chunk alike.
@@ -63,14 +63,12 @@ def _stats(z_NxC):
   """(m, s, t) of one chunk of scaled logits (module docstring). m carries no gradient: logsumexp does not depend
   on the shift, so stopping it changes no derivative and keeps max's subgradient out of the backward pass.
 
-  The sums: on CPU ``ordered_sum`` (pairwise, one order for every shape: XLA:CPU's row reductions follow the whole
-  shape, so at N = slots and N = tokens a row could round differently, seen on the tiny default 2026-12-02 as one
-  FP32 ulp in 5 of 2000 sampled log-probs); on GPUs XLA's fusions, with the fusion autotuner off
-  (``fp8jax.COMPILER_OPTIONS``: it chose tilings per shape)."""
-  row_sum = ordered_sum if jax.default_backend() == "cpu" else (lambda x: jnp.sum(x, axis=-1))
+  The sums are ``invariant_sum``: with whole-array XLA:CPU reductions a row could round differently at N = slots
+  than at N = tokens (seen on the tiny default 2026-12-02 as one FP32 ulp in 5 of 2000 sampled log-probs), and on
+  GPUs XLA's fusion autotuner tiled them per shape until ``fp8jax.COMPILER_OPTIONS`` switched it off."""
   m = lax.stop_gradient(jnp.max(z_NxC, axis=-1))
   e = jnp.exp(z_NxC - m[:, None])
-  return m, row_sum(e), row_sum(e * z_NxC)
+  return m, invariant_sum(e), invariant_sum(e * z_NxC)
 
 
 def _combine(stats):

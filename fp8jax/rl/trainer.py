@@ -459,6 +459,13 @@ class RLTrainer:
     rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     self.kv_scales = tuple(jax.device_put(jnp.asarray(s, jnp.float32), rep) for s in scales)
 
+  def _recalibrate_kv_scales(self, train_metrics):
+    """The next rollout's FP8 KV scales from a train step's training-forward K/V amax (FP8 KV cache only)."""
+    if self.sample_recipe.kv_cache == "fp8":
+      margin = float(self.c.rollout.kv_scale_margin)
+      self._set_kv_scales((kvcache.scales_from_amax(train_metrics["k_amax_L"], margin),
+                           kvcache.scales_from_amax(train_metrics["v_amax_L"], margin)))
+
   def _rollout(self, step: int, timing: dict):
     """Generates groups; with dynamic sampling, drops zero-variance groups and refills (bounded)."""
     gc = self.gc
@@ -573,10 +580,7 @@ class RLTrainer:
     tm = {k: v for k, v in tm.items() if k != "params_finite_"}
     timing["train_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    if self.sample_recipe.kv_cache == "fp8":  # next rollout's KV scales from this step's training-forward amax
-      margin = float(self.c.rollout.kv_scale_margin)
-      self._set_kv_scales((kvcache.scales_from_amax(tm["k_amax_L"], margin),
-                           kvcache.scales_from_amax(tm["v_amax_L"], margin)))
+    self._recalibrate_kv_scales(tm)
     timing["kv_recalib_s"] = time.perf_counter() - t
     metrics.update({k: v for k, v in tm.items() if not k.endswith("_L")})
     metrics["lr"] = lr
