@@ -71,8 +71,14 @@ class TuningConfig:
   bwd_block_kv: int = 64
   bwd_num_warps: int = 4
   bwd_num_stages: int = 2
+  # Operand dtype of the dots when K/V are float8_e4m3fn codes: "bfloat16" (the contract: codes upcast exactly to
+  # BF16, Q and P in BF16) or "float16" (an experiment: E4M3 -> FP16 is one hardware conversion per pair, where
+  # E4M3 -> BF16 goes through FP32; Q and P then round to FP16). Decode and training must use the same.
+  fp8_operands: str = "bfloat16"
 
   def __post_init__(self):
+    if self.fp8_operands not in ("bfloat16", "float16"):
+      raise ValueError(f"TuningConfig.fp8_operands must be 'bfloat16' or 'float16', got {self.fp8_operands!r}")
     for name in ("bwd_block_q", "bwd_block_kv"):
       if getattr(self, name) not in (16, 32, 64, 128):
         raise ValueError(f"TuningConfig.{name} must be 16, 32, 64 or 128 (divide {BLOCK_KV}), got {self}")
@@ -123,13 +129,16 @@ def _update(carry, q, kb, vb, start, key, pos, last, qk_scale, *, masked: bool):
   return (jnp.where(active, m_new, m), jnp.where(active, l_new, l), jnp.where(active[:, None], acc_new, acc))
 
 
-def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_ref=None):
+def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_ref=None, fp8_operands="bfloat16"):
   """(block_q, D) query rows at positions ``pos`` over key/value head ``kvh`` of sequence ``b`` ->
   (out (block_q, D) in q's dtype, lse (block_q,) FP32 log2 units; +inf for a row that sees no key).
 
   ``pt_ref``: the paged form, k/v refs are page pools (N, BLOCK_KV, K, D) and key block j of sequence b is page
   ``pt_ref[b, j]`` (the same blocks in the same order: the same bits as the dense form)."""
   bq, d = q.shape
+  out_dtype = q.dtype
+  if k_ref.dtype == jnp.float8_e4m3fn:
+    q = q.astype(jnp.dtype(fp8_operands))
   last = jnp.max(pos)
   big = jnp.int32(2**30)
   first = jnp.min(jnp.where(pos >= 0, pos, big))
@@ -155,27 +164,29 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_
   m, l, acc = lax.fori_loop(n_full, n_blocks, functools.partial(block, masked=True), carry)
   seen = l > 0
   inv = jnp.where(seen, v_scale / jnp.where(seen, l, 1.0), 0.0)
-  out = (acc * inv[:, None]).astype(q.dtype)
+  out = (acc * inv[:, None]).astype(out_dtype)
   lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
   return out, lse
 
 
-def _seq_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool):
+def _seq_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool,
+                    fp8_operands: str):
   pt_ref, (o_ref, lse_ref) = (rest[0], rest[1:]) if paged else (None, rest)
   b, h, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
   out, lse = _attend_tile(q_ref[b, rows, h, :], pos_ref[b, rows], k_ref, v_ref, b, lax.div(h, g), sc_ref[0],
-                          sc_ref[1], n_kb, pt_ref)
+                          sc_ref[1], n_kb, pt_ref, fp8_operands)
   o_ref[b, rows, h, :] = out
   lse_ref[b, h, rows] = lse
 
 
-def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, n_kb: int, bq: int, paged: bool):
+def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, n_kb: int, bq: int, paged: bool,
+                      fp8_operands: str):
   pt_ref, o_ref = (rest[0], rest[1]) if paged else (None, rest[0])
   b, kvh, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
   out, _ = _attend_tile(q_ref[b, kvh, rows, :], pos_ref[b, rows], k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb,
-                        pt_ref)
+                        pt_ref, fp8_operands)
   o_ref[b, kvh, rows, :] = out
 
 
@@ -221,7 +232,8 @@ def attention_seq(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale,
   k, v, extra, n_kb = _keys(k_BxSxKxD, v_BxSxKxD, page_table_BxNb)
   tp = q.shape[1]
   out, lse = pl.pallas_call(
-      functools.partial(_seq_fwd_kernel, g=g, n_kb=n_kb, bq=config.block_q, paged=bool(extra)),
+      functools.partial(_seq_fwd_kernel, g=g, n_kb=n_kb, bq=config.block_q, paged=bool(extra),
+                        fp8_operands=config.fp8_operands),
       out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, tp), jnp.float32)),
       grid=(b, h, tp // config.block_q),
       compiler_params=_params(config.num_warps, config.num_stages),
@@ -245,7 +257,8 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
   pos = jnp.where(jnp.arange(r) < g, q_pos_B.astype(jnp.int32)[:, None], -1)
   k, v, extra, n_kb = _keys(k_BxSxKxD, v_BxSxKxD, page_table_BxNb)
   out = pl.pallas_call(
-      functools.partial(_heads_fwd_kernel, n_kb=n_kb, bq=config.decode_block_q, paged=bool(extra)),
+      functools.partial(_heads_fwd_kernel, n_kb=n_kb, bq=config.decode_block_q, paged=bool(extra),
+                        fp8_operands=config.fp8_operands),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       grid=(b, n_kv, r // config.decode_block_q),
       compiler_params=_params(config.decode_num_warps, config.decode_num_stages if k.dtype == jnp.float8_e4m3fn

@@ -186,8 +186,8 @@ def choose_config(m: int, n: int, k: int, num_sms: int | None = None, row_scales
 def choose_bf16_config(m: int, n: int, k: int, num_sms: int | None = None, out_dtype=jnp.bfloat16) -> TuningConfig:
   """Tile config of ``bf16_gemm`` per shape class (lm_head: N = 128256 / 32768; the Llama-3.1-8B linears).
 
-  As in FP8 mode every config gives the same bits (module docstring, item 3b). Not yet tuned on the H200: these are
-  the FP8 forward's tile shapes (the same reasons hold: large-M tiles for the tensor cores, and for decode the
+  As in FP8 mode every config gives the same bits (module docstring, item 3b). Decode-sized M with BF16 outputs is
+  tuned on the H200 (below); the rest are the FP8 forward's tile shapes (the same reasons hold: large-M tiles for the tensor cores, and for decode the
   largest CTA whose grid fills ~70% of the SMs, since reading B bounds it) with these changes, from the SMEM
   arithmetic of ``_plan``:
   * one K block (64 values) per step and a deeper ring: there is no promotion for a second block's wgmmas to
@@ -199,11 +199,18 @@ def choose_bf16_config(m: int, n: int, k: int, num_sms: int | None = None, out_d
   """
   del k
   big = m >= 2048
-  if big and n >= 16384 and jnp.dtype(out_dtype).itemsize == 2:
+  bf16_out = jnp.dtype(out_dtype).itemsize == 2
+  if big and n >= 16384 and bf16_out:
     return TuningConfig("m", 128, 4, num_wgs=3, cross_tile=True, cluster_n=True)
   T = functools.partial(TuningConfig, cross_tile=True, cluster_n=big)
-  return _largest_filling(([T("m", 128, 4)] if m > WG_M else []) + [T("n", w, 8) for w in (64, 32, 16)],
-                          m, n, num_sms)
+  if WG_M < m < 2048 and bf16_out:
+    # Decode-sized M with BF16 out: a 5-deep ring of 128 x 128, else 128 x 64 CTAs 8 deep when 128 x 128 leaves SMs
+    # idle (N = 4096: o, down), no cross-tile pipeline: the fastest of `bench_gemm.py --bf16 --variants` at M = 256
+    # on the H200 for every 8B linear (docs/benchmarks.md, "BF16 GEMM at decode sizes").
+    lead = [TuningConfig("m", 128, 5), TuningConfig("m", 64, 8)]
+  else:
+    lead = [T("m", 128, 4)] if m > WG_M else []
+  return _largest_filling(lead + [T("n", w, 8) for w in (64, 32, 16)], m, n, num_sms)
 
 
 def _largest_filling(cands: list[TuningConfig], m: int, n: int, num_sms: int | None) -> TuningConfig:

@@ -257,7 +257,9 @@ def _bitwise_decode_equals_training(cfg, kern, b=4, t=1500):
       k, v = kvcache.quantize_kv(k, ks), kvcache.quantize_kv(v, vs)
     qs, vsc = attn._scales(D, ks, vs)
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-    train, _ = kern.attention_seq(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), pos, qs, vsc, config=cfg)
+    # The trainer passes FP8 codes as BF16 values (exact); with FP16 operands it must pass the codes themselves.
+    tk, tv = (k, v) if cfg.fp8_operands == "float16" else (k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+    train, _ = kern.attention_seq(q, tk, tv, pos, qs, vsc, config=cfg)
     s = kvcache.padded_len(t + 200)
     ck = jnp.zeros((b, s, KV, D), k.dtype).at[:, :t].set(k)
     cv = jnp.full((b, s, KV, D), jnp.nan, jnp.float32).astype(v.dtype).at[:, :t].set(v)
@@ -267,13 +269,26 @@ def _bitwise_decode_equals_training(cfg, kern, b=4, t=1500):
   return ok
 
 
-def sweep_rows(b=8, t=4096, slots=256, max_len=1536, mean_ctx=1024):
+def sweep_configs(which: str):
+  """The configs of a sweep: "tiles" (row tiles and pipelines) or "fp8_operands" (FP16 instead of BF16 dot operands
+  for FP8 K/V codes, TuningConfig.fp8_operands, beside the default)."""
+  from pallas_kernels import attention_triton as kern  # noqa: PLC0415
+  TC = kern.TuningConfig
+  if which == "tiles":
+    return [TC(), TC(decode_block_q=16, decode_num_warps=1), TC(decode_block_q=16, decode_num_warps=4),
+            TC(decode_block_q=32, decode_num_warps=2), TC(decode_block_q=64, decode_num_warps=4, decode_num_stages=3)]
+  if which == "fp8_operands":
+    f16 = dict(fp8_operands="float16")
+    return [TC(), TC(**f16), TC(**f16, decode_num_stages=3), TC(**f16, decode_num_stages=1)]
+  raise ValueError(f"--sweep_set must be tiles or fp8_operands, got {which!r}")
+
+
+def sweep_rows(which="tiles", b=8, t=4096, slots=256, max_len=1536, mean_ctx=1024):
   """Tile / pipeline configs side by side: training forward, fwd+bwd, decode (FP8 and BF16 K/V), and whether the
   config's decode rows equal its training rows bit for bit."""
   from pallas_kernels import attention_triton as kern  # noqa: PLC0415
   TC = kern.TuningConfig
-  fwd_cfgs = [TC(), TC(decode_block_q=16, decode_num_warps=1), TC(decode_block_q=16, decode_num_warps=4),
-              TC(decode_block_q=32, decode_num_warps=2), TC(decode_block_q=64, decode_num_warps=4, decode_num_stages=3)]
+  fwd_cfgs = sweep_configs(which)
   bwd_cfgs = [TC()]
   q, k, v, do = jax.block_until_ready(_inputs(b, t, seed=3))
   pos = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -326,6 +341,7 @@ def main():
   p.add_argument("--no_decode", action="store_true")
   p.add_argument("--train_step", action="store_true")
   p.add_argument("--sweep", action="store_true", help="tile / pipeline configs side by side (and their bits)")
+  p.add_argument("--sweep_set", default="tiles", help="tiles | fp8_operands (sweep_configs)")
   p.add_argument("--seqs", type=int, default=8)
   p.add_argument("--seq_len", type=int, default=4096)
   p.add_argument("--layers", type=int, default=2)
@@ -339,7 +355,7 @@ def main():
   log("device:", jax.devices()[0].device_kind, "| jax", jax.__version__, "| date", time.strftime("%Y-%m-%d %H:%M:%S"))
   result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d")}
   if a.sweep:
-    result["sweep"] = rows = sweep_rows()
+    result["sweep"] = rows = sweep_rows(a.sweep_set)
     name = "attention_sweep.json"
     table = [f"{'kind':4s} {'fwd TF/s':>8s} {'fwd+bwd ms':>10s} {'dec fp8 GB/s':>12s} {'dec bf16 GB/s':>13s} "
              f"{'bitwise':>7s}  config"]

@@ -518,15 +518,20 @@ def bf16_variant_configs(m, n, k, od):
   else:
     cands = [T(s, w, st, k_blocks=kb, cross_tile=True) for s, w in (("m", 128), ("n", 64), ("n", 32), ("n", 16))
              for st, kb in ((8, 1), (4, 2))] + [T("n", 64, 8), T("n", 32, 12)]
+    cands += [T("m", 128, st) for st in (4, 5, 6)] + [T("m", 64, st) for st in (6, 8)]
   return [first] + [c for c in cands if c != first]
 
 
-def bf16_variants(out_dir) -> int:
-  """--bf16 --variants: BF16 schedule variants per shape, each checked bitwise against choose_bf16_config's."""
+BF16_VARIANT_CASES = "64:lm_head,8192:lm_head,256:qkv,8192:gate_up,64:o"
+
+
+def bf16_variants(out_dir, cases: str = BF16_VARIANT_CASES) -> int:
+  """--bf16 --variants: BF16 schedule variants per shape, each checked bitwise against choose_bf16_config's.
+  ``cases``: comma list of M:shape."""
   log("device:", jax.devices()[0].device_kind, "| jax", jax.__version__, "| date", time.strftime("%Y-%m-%d %H:%M:%S"))
   lines = ["| M | shape, out | config (as run) | TFLOP/s | vs first | bitwise = first |", "|---|---|---|---|---|---|"]
   bad = 0
-  for m, name in ((64, "lm_head"), (8192, "lm_head"), (256, "qkv"), (8192, "gate_up"), (64, "o")):
+  for m, name in ((int(c.split(":")[0]), c.split(":")[1]) for c in cases.split(",")):
     k, n = SHAPES[name]
     od = bf16_out_dtype(name)
     sets = bf16_sets(m, n, k, 1 if m * n >= 2**30 else 4)
@@ -585,13 +590,14 @@ def main():
   p.add_argument("--bf16", action="store_true",
                  help="BF16 mode of our kernel vs jnp.dot (cuBLAS) at the lm_head and 8B linear shapes (--variants: "
                       "BF16 schedule variants); ignores --ms/--shapes")
+  p.add_argument("--bf16_cases", default=BF16_VARIANT_CASES, help="--bf16 --variants: comma list of M:shape")
   args = p.parse_args()
   if args.bf16:
     from fp8jax import ops  # noqa: PLC0415
     if not ops.hopper_available():
       print("bench_gemm.py --bf16 needs an sm_90 (Hopper) GPU", file=sys.stderr)
       return 2
-    return bf16_variants(args.out) if args.variants else bf16_main(args.out)
+    return bf16_variants(args.out, args.bf16_cases) if args.variants else bf16_main(args.out)
   if args.smoke:
     return smoke()
   if args.ncu_target:

@@ -218,6 +218,31 @@ def test_decode_kernel_interpret_matches_reference_and_training_rows(g, fp8):
   np.testing.assert_array_equal(np.asarray(out), np.asarray(train[jnp.arange(b), ps]))
 
 
+def test_fp16_operands_for_fp8_codes_interpret():
+  """TuningConfig(fp8_operands="float16") (the decode experiment of docs/benchmarks.md): with E4M3 codes the dots
+  take FP16 operands (Q and P round to FP16); decode rows equal training rows fed the same codes, bitwise; the
+  result stays within BF16-operand noise of the reference; BF16 K/V ignore the option (same bits as the default)."""
+  b, t, h, kv, d = 2, 150, 8, 2, 128
+  cfg = kern.TuningConfig(fp8_operands="float16")
+  q, k, v, ks, vs = _qkv(11, b, t, h, kv, d, fp8=True)
+  qs, vsc = _scales(d, ks, vs)
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  train, _ = kern.attention_seq(q, k, v, pos, qs, vsc, config=cfg, interpret=True)
+  ck, cv = _cache_with_stale_rows(k, v, 256, 5)
+  ps = jnp.asarray([3, t - 1], jnp.int32)
+  dec = kern.attention_heads(q[jnp.arange(b), ps], ck, cv, ps, qs, vsc, config=cfg, interpret=True)
+  np.testing.assert_array_equal(np.asarray(dec), np.asarray(train[jnp.arange(b), ps]))
+  want, _ = ref.attention_reference(q, k, v, pos, qs, vsc)
+  bf16_ops, _ = kern.attention_seq(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), pos, qs, vsc, interpret=True)
+  assert not np.array_equal(np.asarray(train), np.asarray(bf16_ops))  # the option does change the operands
+  assert _rel(train, want) <= 5e-3
+  qb, kb, vb, _, _ = _qkv(12, b, t, h, kv, d)
+  np.testing.assert_array_equal(np.asarray(kern.attention_seq(qb, kb, vb, pos, qs, vsc, config=cfg, interpret=True)[0]),
+                                np.asarray(kern.attention_seq(qb, kb, vb, pos, qs, vsc, interpret=True)[0]))
+  with pytest.raises(ValueError, match="fp8_operands"):
+    kern.TuningConfig(fp8_operands="float32")
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
 def test_paged_kernels_interpret_equal_dense_kernels_bitwise(fp8):
   """The kernels' paged form (decode and prefill tiles reading pages through the table) == their dense form."""

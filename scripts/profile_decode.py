@@ -1,0 +1,69 @@
+"""Runs the decode attention kernel alone, for a profiler (Nsight Compute) to catch one launch.
+
+  PYTHONPATH=. python3 scripts/profile_decode.py --kv fp8 [--slots 256 --max_len 1536 --mean_ctx 1024] [--iters 3]
+  ncu --clock-control none --kernel-name regex:attention_decode --launch-skip 1 --launch-count 1 --set full \
+      -o decode_fp8 python3 scripts/profile_decode.py --kv fp8
+
+The operands are bench_attention.py's decode rows (one layer of a 256-slot cache with ragged lengths, 32 query /
+8 key-value heads, head_dim 128, random values): the same launch the benchmark times, here without the timing
+harness so the profiler sees only the kernel (and the operand-building XLA kernels, which its name filter skips).
+Prints the CUPTI-free wall time per launch (synchronized, median) as a sanity check, not as a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fp8jax  # noqa: E402,F401  (XLA flags first)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from fp8jax import attention as attn  # noqa: E402
+
+H, KV, D = 32, 8, 128
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--kv", choices=("fp8", "bf16"), default="fp8")
+  p.add_argument("--slots", type=int, default=256)
+  p.add_argument("--max_len", type=int, default=1536)
+  p.add_argument("--mean_ctx", type=int, default=1024)
+  p.add_argument("--iters", type=int, default=3)
+  a = p.parse_args()
+  fp8 = a.kv == "fp8"
+  rng = np.random.default_rng(0)
+  pos = jnp.asarray(np.clip(rng.integers(a.mean_ctx // 2, a.mean_ctx * 3 // 2, a.slots), 0, a.max_len - 1),
+                    jnp.int32)
+  k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+  dt = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+  amp = 30.0 if fp8 else 1.0
+  ck = (jax.random.normal(k1, (a.slots, a.max_len, KV, D), jnp.float32) * amp).astype(dt)
+  cv = (jax.random.normal(k2, (a.slots, a.max_len, KV, D), jnp.float32) * amp).astype(dt)
+  q = jax.random.normal(k3, (a.slots, H, D), jnp.bfloat16)
+  scale = jnp.float32(1 / amp)
+
+  @jax.jit
+  def step(q, ck, cv, pos):
+    return attn.attend(q[:, None], ck, cv, pos[:, None], k_scale=scale, v_scale=scale, backend="pallas")[:, 0]
+
+  times = []
+  for _ in range(a.iters):
+    t0 = time.perf_counter()
+    out = step(q, ck, cv, pos).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  live = float(np.sum(np.asarray(pos) + 1)) * KV * D * 2 * jnp.dtype(dt).itemsize
+  ms = statistics.median(times[1:] or times) * 1e3
+  print(f"decode {a.kv}: {ms:.3f} ms per launch (wall, synchronized), live K/V {live / 1e9:.3f} GB, "
+        f"finite {bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
