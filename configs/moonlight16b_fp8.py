@@ -10,8 +10,8 @@ NeMo RL's recipe (issue 19): 32 prompts x 16 generations, lr 1e-6, KL 0.04, the 
 by fp8.keep_patterns: q_proj / q_a / q_b and kv_a; kv_b is never FP8 in fp8jax, fp8jax/model/schema.py says why),
 o_proj, the dense MLP and the experts block FP8; the router BF16 with FP32 logits. The remaining GRPO settings are
 configs/llama8b_fp8.py's (NeMo RL's Llama-3.1-8B FP8 recipe), not checked against NeMo's Moonlight file.
-What is missing: the grouped FP8 GEMM of the experts has no Hopper kernel yet, so fp8.gemm_backend="xla" (every FP8
-GEMM on the exact XLA reference, far slower); MLA's absorbed attention has head dim 576, which the Pallas attention
+What is missing: the experts' wgrad runs the exact XLA reference (their forward and dgrad run the grouped Hopper
+kernel); MLA's absorbed attention has head dim 576, which the Pallas attention
 kernels do not take, so attention falls back to the reference (logged), which keeps every key block's scores for the
 backward: not fit for 4096-token training on a GPU; no expert parallelism. This recipe has not been run, not even as
 a smoke test. Expected: nothing measured yet.
@@ -38,7 +38,6 @@ def get_config(arg=None):
       moe_router="sigmoid", n_group=1, topk_group=1, routed_scaling_factor=2.446, n_shared_experts=2,
       mlp_only_layers=(0,), decoder_sparse_step=1, max_seq_len=4096, dtype="bfloat16", remat=True,
       attn_backend="auto"))
-  c.fp8.gemm_backend = "xla"  # no grouped Pallas kernel yet: "auto" resolves to "pallas" on a Hopper GPU and raises
   c.fp8.keep_patterns = ("*/wq", "*/wq_a", "*/wq_b", "*/wkv_a")  # NeMo RL keeps MLA's projections BF16
   c.grpo.num_prompts = 32
   c.grpo.num_generations = 16

@@ -7,11 +7,11 @@ Hardware: 8x H200 (one host), parameters and optimizer state sharded over fsdp. 
 parameters need ~122 GB of FP32 master weights, ~244 GB of Adam moments, ~122 GB of FP32 gradients and ~31 GB each
 for the FP8 sampler weights and the KL reference (grpo.kl_beta > 0), ~550 GB before activations and the KV cache;
 4x H200 (564 GB) cannot hold that with room to run.
-What is missing: the grouped FP8 GEMM of the experts has no Hopper kernel yet (ops.grouped_linear raises on backend
-'pallas'), so this recipe sets fp8.gemm_backend="xla": every FP8 GEMM, the dense attention projections included, runs
-the exact XLA reference (the same numbers the kernels give, far slower). There is no expert parallelism either (the
-experts' leading axis is not sharded). This recipe has not been run, not even as a smoke test; expect the
-throughput to be far from a serving engine's until the grouped kernel exists.
+What is missing: the experts' forward and dgrad run the grouped Hopper FP8 kernel (checked on the H200 against the
+dense kernel, bitwise per expert; docs/benchmarks.md "Grouped FP8 GEMM"), but their wgrad runs the exact XLA
+reference (a loop over 128-row tiles, slow), and the rows move into the kernel's tile layout by XLA gathers that cost
+more than the kernel. There is no expert parallelism either (the experts' leading axis is not sharded). This recipe
+has not been run, not even as a smoke test.
 Expected: nothing measured yet. The GRPO settings are llama8b_fp8.py's (NeMo RL's Llama-3.1-8B FP8 recipe), not tuned
 for this model.
 """
@@ -34,6 +34,5 @@ def get_config(arg=None):
       norm_eps=1e-6, rope_theta=1e6, rope_scaling=None, tie_embeddings=False, qk_norm=True,
       n_experts=128, n_experts_per_tok=8, moe_ffn_dim=768, norm_topk_prob=True, decoder_sparse_step=1,
       mlp_only_layers=(), max_seq_len=4096, dtype="bfloat16", remat=True, attn_backend="auto"))
-  c.fp8.gemm_backend = "xla"  # no grouped Pallas kernel yet: "auto" resolves to "pallas" on a Hopper GPU and raises
   c.grpo.router_aux_coef = 0.0  # fp8jax.rl.trainer.GRPOConfig: the load-balancing loss stays off for RL
   return c

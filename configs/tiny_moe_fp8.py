@@ -2,8 +2,8 @@
 
 Run: .venv/bin/python scripts/train.py --config=configs/tiny_moe_fp8.py
 Model: 2 layers, each routing every token to 2 of 4 SwiGLU experts of width 256 (BF16 router, block-FP8 experts
-through ops.grouped_linear's reference on CPU), the attention of the tiny default. On a GPU the FP8 grouped GEMM has
-no kernel yet: set --config.fp8.gemm_backend=xla there.
+through ops.grouped_linear: its reference on CPU, the grouped Hopper kernel on an H200), the attention of the tiny
+default.
 Result: 0.578 after the warm start -> 0.965 after GRPO (AMD EPYC, 2 cores, 2026-12-01), token_mult_prob_error 1.0
 at every step.
 """

@@ -14,8 +14,10 @@ type of ``w`` (chosen by the recipe in ``fp8jax.quant``), never on who calls it:
   ``quantize_weight`` is deterministic, so the FP8Weight and QWeight forwards are bitwise the same computation.
 
 ``grouped_linear(x, w, group_sizes, cfg)`` is the mixture-of-experts form (rows sorted by group, w stacked (E, N, K),
-same three modes); each group's results are bitwise ``linear`` on its rows alone. It runs the "xla" reference (the
-grouped Hopper kernel, for forward and dgrad, is an explicit opt-in: ``LinearConfig.grouped_kernel``).
+same three modes); each group's results are bitwise ``linear`` on its rows alone. ``grouped_linear_tiles`` is the
+same op on rows already in the grouped GEMM's tile layout (the MoE block keeps them there). On "pallas" the forward
+and dgrad run the grouped Hopper kernel (``fp8_gemm_mgpu.grouped_fp8_gemm_tiles``); the wgrad runs the exact
+reference everywhere.
 
 Outputs are ``cfg.out_dtype`` (BF16 by default). The GEMMs run on a backend: "xla" is the exact block-math
 reference in ``pallas_kernels.fp8_gemm`` (every kernel is tested against it); "pallas" is the Hopper kernel, with
@@ -58,10 +60,6 @@ class LinearConfig:
   # w_gate, w_up), "row" (input features split, partial products summed: wo, w_down) or None (gathered). Set per
   # call by ``linear(..., parallel=)`` from the parameter schema (``schema.PARALLEL``).
   parallel: str | None = None
-  # Opt-in, not yet validated on a GPU: where the FP8 backend resolves to "pallas", run grouped_linear's FP8 forward
-  # and dgrad GEMMs on the grouped Mosaic kernel (``fp8_gemm_mgpu.grouped_fp8_gemm``; bitwise the dense kernel per
-  # group by its contract) instead of raising NotImplementedError. The grouped wgrad stays on the XLA reference.
-  grouped_kernel: bool = False
 
   @classmethod
   def from_recipe(cls, recipe: quant.Recipe, out_dtype: str = "bfloat16",
@@ -109,7 +107,7 @@ def _pallas_quant():
 @functools.cache
 def _pallas_grouped_gemm():
   from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415 (imports Mosaic GPU only when asked for)
-  return fp8_gemm_mgpu.grouped_fp8_gemm
+  return fp8_gemm_mgpu.grouped_fp8_gemm_tiles
 
 
 @functools.cache
@@ -453,60 +451,51 @@ def linear(x: jax.Array, w, cfg: LinearConfig = LinearConfig(), parallel: str | 
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _grouped_backend(cfg: LinearConfig):
-  if resolve_backend(cfg.backend) == "pallas" and not cfg.grouped_kernel:
-    raise NotImplementedError(f"grouped_linear: the grouped Pallas FP8 kernel (fp8_gemm_mgpu.grouped_fp8_gemm) is not "
-                              f"yet validated on a GPU and is opt-in only (LinearConfig.grouped_kernel=True), and the "
-                              f"backend resolved to 'pallas' (fp8.gemm_backend={cfg.backend!r}); set "
-                              f"fp8.gemm_backend='xla' to run the reference")
-
-
-def _grouped_gemm(a_q, a_s, b_q_ExNxK, b_s, group_sizes_E, out_dtype, cfg: LinearConfig):
-  """The grouped FP8 GEMM: the opt-in kernel where the backend is "pallas" (``_grouped_backend`` let it through),
-  else the reference; the activations are quantized by ``quantize_act`` on the same backend (same bits)."""
+def _grouped_gemm(a_q_PxK, a_s_PxKb, b_q_ExNxK, b_s, tile_expert_T, out_dtype, cfg: LinearConfig):
+  """The grouped FP8 GEMM on the tile buffer: the grouped Hopper kernel where the backend is "pallas", else the
+  reference (each group's rows bitwise the dense op either way). Rows of unused tiles are unspecified (the kernel
+  skips them; the reference writes zeros): nothing downstream reads them."""
   if resolve_backend(cfg.backend) == "pallas":
-    return _pallas_grouped_gemm()(a_q, a_s, b_q_ExNxK, b_s, group_sizes_E, out_dtype=out_dtype)
-  return grouped_ref.grouped_gemm_reference(a_q, a_s, b_q_ExNxK, b_s, group_sizes_E, out_dtype)
+    return _pallas_grouped_gemm()(a_q_PxK, a_s_PxKb, b_q_ExNxK, b_s, tile_expert_T, out_dtype=out_dtype)
+  return grouped_ref.gemm_tiles_reference(a_q_PxK, a_s_PxKb, b_q_ExNxK, b_s, tile_expert_T, out_dtype)
 
 
-def _grouped_forward_q(x_MxK, qw: quant.QWeight, group_sizes_E, cfg: LinearConfig):
-  xq, xs = quantize_act(quant.pad_k(x_MxK), cfg.pow2_scales, cfg.backend)
-  return _grouped_gemm(xq, xs, quant.pad_k(qw.q, -1), qw.scale, group_sizes_E, jnp.dtype(cfg.out_dtype), cfg)
+def _grouped_forward_q(x_PxK, qw: quant.QWeight, tile_expert_T, cfg: LinearConfig):
+  xq, xs = quantize_act(quant.pad_k(x_PxK), cfg.pow2_scales, cfg.backend)
+  return _grouped_gemm(xq, xs, quant.pad_k(qw.q, -1), qw.scale, tile_expert_T, jnp.dtype(cfg.out_dtype), cfg)
 
 
-def _grouped_dgrad(dy_MxN, qw: quant.QWeight, group_sizes_E, k: int, dtype, cfg: LinearConfig):
+def _grouped_dgrad(dy_PxN, qw: quant.QWeight, tile_expert_T, k: int, dtype, cfg: LinearConfig):
   """dx = Q(dy)[1x128 over N] . Q(w_e)^T per group (``_dgrad``'s operands, stacked over experts)."""
-  dyq, dys = quantize_act(quant.pad_k(dy_MxN), cfg.pow2_scales, cfg.backend)
+  dyq, dys = quantize_act(quant.pad_k(dy_PxN), cfg.pow2_scales, cfg.backend)
   wt_ExKxN = quant.pad_k(quant.pad_k(jnp.swapaxes(qw.q, -1, -2), -1), -2)
-  dx = _grouped_gemm(dyq, dys, wt_ExKxN, jnp.swapaxes(qw.scale, -1, -2), group_sizes_E, jnp.dtype(dtype), cfg)
+  dx = _grouped_gemm(dyq, dys, wt_ExKxN, jnp.swapaxes(qw.scale, -1, -2), tile_expert_T, jnp.dtype(dtype), cfg)
   return dx[:, :k]
 
 
-def _grouped_wgrad(dy_MxN, x_MxK, group_sizes_E, cfg: LinearConfig):
-  """dw_e = Q(dy_e^T)[1x128 over tokens] . Q(x_e^T)[1x128 over tokens], token groups from group e's first row."""
-  m, e = x_MxK.shape[0], group_sizes_E.shape[0]
-  dest, tile_expert = grouped_ref.layout(group_sizes_E, m)
-  p = grouped_ref.padded_rows(m, e)
-  aq, as_ = quant.quantize_act_t(grouped_ref.to_tiles(dy_MxN, dest, p), cfg.pow2_scales)
-  bq, bs = quant.quantize_act_t(grouped_ref.to_tiles(x_MxK, dest, p), cfg.pow2_scales)
-  return grouped_ref.grouped_wgrad_tiles(aq, as_, bq, bs, tile_expert, e)
+def _grouped_wgrad(dy_PxN, x_PxK, tile_expert_T, num_experts: int, cfg: LinearConfig):
+  """dw_e = Q(dy_e^T)[1x128 over tokens] . Q(x_e^T)[1x128 over tokens], token groups from group e's first row
+  (a tile boundary: every tile belongs to one group)."""
+  aq, as_ = quant.quantize_act_t(dy_PxN, cfg.pow2_scales)
+  bq, bs = quant.quantize_act_t(x_PxK, cfg.pow2_scales)
+  return grouped_ref.grouped_wgrad_tiles(aq, as_, bq, bs, tile_expert_T, num_experts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped_fp8_master(x_MxK, w_ExNxK, group_sizes_E, cfg: LinearConfig):
-  return _grouped_forward_q(x_MxK, quant.quantize_weight(w_ExNxK, cfg.pow2_scales), group_sizes_E, cfg)
+def _grouped_fp8_master(x_PxK, w_ExNxK, tile_expert_T, cfg: LinearConfig):
+  return _grouped_forward_q(x_PxK, quant.quantize_weight(w_ExNxK, cfg.pow2_scales), tile_expert_T, cfg)
 
 
-def _grouped_master_fwd(x_MxK, w_ExNxK, group_sizes_E, cfg):
+def _grouped_master_fwd(x_PxK, w_ExNxK, tile_expert_T, cfg):
   qw = quant.quantize_weight(w_ExNxK, cfg.pow2_scales)
-  y = _grouped_forward_q(x_MxK, qw, group_sizes_E, cfg)
-  return y, (x_MxK, qw, group_sizes_E, jnp.zeros((), w_ExNxK.dtype))
+  y = _grouped_forward_q(x_PxK, qw, tile_expert_T, cfg)
+  return y, (x_PxK, qw, tile_expert_T, jnp.zeros((), w_ExNxK.dtype))
 
 
-def _grouped_master_bwd(cfg, res, dy_MxN):
-  x_MxK, qw, group_sizes_E, w_dtype_tag = res
-  dx = _grouped_dgrad(dy_MxN, qw, group_sizes_E, x_MxK.shape[1], x_MxK.dtype, cfg)
-  dw = _grouped_wgrad(dy_MxN, x_MxK, group_sizes_E, cfg)
+def _grouped_master_bwd(cfg, res, dy_PxN):
+  x_PxK, qw, tile_expert_T, w_dtype_tag = res
+  dx = _grouped_dgrad(dy_PxN, qw, tile_expert_T, x_PxK.shape[1], x_PxK.dtype, cfg)
+  dw = _grouped_wgrad(dy_PxN, x_PxK, tile_expert_T, qw.q.shape[0], cfg)
   return dx, dw.astype(w_dtype_tag.dtype), None
 
 
@@ -514,18 +503,18 @@ _grouped_fp8_master.defvjp(_grouped_master_fwd, _grouped_master_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped_fp8_frozen(x_MxK, qw: quant.QWeight, group_sizes_E, cfg: LinearConfig):
-  return _grouped_forward_q(x_MxK, qw, group_sizes_E, cfg)
+def _grouped_fp8_frozen(x_PxK, qw: quant.QWeight, tile_expert_T, cfg: LinearConfig):
+  return _grouped_forward_q(x_PxK, qw, tile_expert_T, cfg)
 
 
-def _grouped_frozen_fwd(x_MxK, qw, group_sizes_E, cfg):
-  y = _grouped_forward_q(x_MxK, qw, group_sizes_E, cfg)
-  return y, (qw, group_sizes_E, jnp.zeros((0, x_MxK.shape[1]), x_MxK.dtype))
+def _grouped_frozen_fwd(x_PxK, qw, tile_expert_T, cfg):
+  y = _grouped_forward_q(x_PxK, qw, tile_expert_T, cfg)
+  return y, (qw, tile_expert_T, jnp.zeros((0, x_PxK.shape[1]), x_PxK.dtype))
 
 
-def _grouped_frozen_bwd(cfg, res, dy_MxN):
-  qw, group_sizes_E, x_tag = res
-  dx = _grouped_dgrad(dy_MxN, qw, group_sizes_E, x_tag.shape[1], x_tag.dtype, cfg)
+def _grouped_frozen_bwd(cfg, res, dy_PxN):
+  qw, tile_expert_T, x_tag = res
+  dx = _grouped_dgrad(dy_PxN, qw, tile_expert_T, x_tag.shape[1], x_tag.dtype, cfg)
   return dx, jax.tree.map(jnp.zeros_like, qw), None
 
 
@@ -533,26 +522,63 @@ _grouped_fp8_frozen.defvjp(_grouped_frozen_fwd, _grouped_frozen_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped_bf16(x_MxK, w_ExNxK, group_sizes_E, cfg: LinearConfig):
+def _grouped_bf16(x_PxK, w_ExNxK, tile_expert_T, cfg: LinearConfig):
   """BF16 mode. A custom VJP (not autodiff of the tile loop, which would sum each expert's per-tile dw in BF16) whose
   dx and dw are, per group, bitwise the dense BF16 ``linear``'s autodiff."""
-  y = grouped_ref.grouped_dot_reference(x_MxK.astype(jnp.bfloat16), w_ExNxK.astype(jnp.bfloat16), group_sizes_E)
+  y = grouped_ref.dot_tiles_reference(x_PxK.astype(jnp.bfloat16), w_ExNxK.astype(jnp.bfloat16), tile_expert_T)
   return y.astype(cfg.out_dtype)
 
 
-def _grouped_bf16_fwd(x_MxK, w_ExNxK, group_sizes_E, cfg):
-  return _grouped_bf16(x_MxK, w_ExNxK, group_sizes_E, cfg), (x_MxK, w_ExNxK, group_sizes_E)
+def _grouped_bf16_fwd(x_PxK, w_ExNxK, tile_expert_T, cfg):
+  return _grouped_bf16(x_PxK, w_ExNxK, tile_expert_T, cfg), (x_PxK, w_ExNxK, tile_expert_T)
 
 
-def _grouped_bf16_bwd(cfg, res, dy_MxN):
-  x_MxK, w_ExNxK, group_sizes_E = res
-  ct = dy_MxN.astype(jnp.float32)  # the cotangent of the FP32 dot, as in linear's autodiff
-  dx = grouped_ref.grouped_dot_dgrad(ct, w_ExNxK.astype(jnp.bfloat16), group_sizes_E)
-  dw = grouped_ref.grouped_dot_wgrad(ct, x_MxK.astype(jnp.bfloat16), group_sizes_E, w_ExNxK.shape[0])
-  return dx.astype(x_MxK.dtype), dw.astype(w_ExNxK.dtype), None
+def _grouped_bf16_bwd(cfg, res, dy_PxN):
+  x_PxK, w_ExNxK, tile_expert_T = res
+  ct = dy_PxN.astype(jnp.float32)  # the cotangent of the FP32 dot, as in linear's autodiff
+  dx = grouped_ref.dot_tiles_dgrad(ct, w_ExNxK.astype(jnp.bfloat16), tile_expert_T)
+  dw = grouped_ref.dot_tiles_wgrad(ct, x_PxK.astype(jnp.bfloat16), tile_expert_T, w_ExNxK.shape[0])
+  return dx.astype(x_PxK.dtype), dw.astype(w_ExNxK.dtype), None
 
 
 _grouped_bf16.defvjp(_grouped_bf16_fwd, _grouped_bf16_bwd)
+
+
+def _check_grouped_weight(name: str, w, x_shape):
+  """The expert weight's checks shared by ``grouped_linear`` and ``grouped_linear_tiles``: (E, N, K), scales."""
+  k = x_shape[1]
+  if len(w.shape) != 3:
+    raise ValueError(f"{name}: weight must be 3-D, stored (E, N, K) = (experts, out, in), got shape "
+                     f"{tuple(w.shape)}")
+  e, n, kw = w.shape
+  if k != kw:
+    raise ValueError(f"{name}: x has K={k} (shape {tuple(x_shape)}) but weight is {tuple(w.shape)} (stored (E, N, K))")
+  if isinstance(w, quant.QWeight) and w.scale.shape != (e, quant.num_blocks(n), quant.num_blocks(kw)):
+    raise ValueError(f"{name}: QWeight scale must be (E, ceil(N/128), ceil(K/128)) = "
+                     f"{(e, quant.num_blocks(n), quant.num_blocks(kw))} for q {tuple(w.q.shape)}, got "
+                     f"{tuple(w.scale.shape)}")
+
+
+def grouped_linear_tiles(x_PxK: jax.Array, w, tile_expert_T: jax.Array,
+                         cfg: LinearConfig = LinearConfig()) -> jax.Array:
+  """``grouped_linear`` on rows already in the tile layout (``pallas_kernels.grouped_gemm.layout``): ``x_PxK``'s
+  128-row tile t belongs to expert ``tile_expert_T[t]`` (>= E: unused), each group starting on a tile boundary and
+  zero rows between groups. -> (P, N); rows of unused tiles are unspecified (never read them). For callers that
+  keep their rows in this layout across several expert GEMMs (the MoE block: gate, up and down share one layout),
+  which saves ``grouped_linear``'s moves in and out of it. Same modes, numerics and gradients as ``grouped_linear``
+  (the cotangent of an unused tile's rows does not reach the weights)."""
+  if x_PxK.ndim != 2 or x_PxK.shape[0] != tile_expert_T.shape[0] * quant.BLOCK:
+    raise ValueError(f"grouped_linear_tiles: x must be (P, K) with P = 128 x tiles = 128 x "
+                     f"{tile_expert_T.shape[0]} (tile_expert_T {tuple(tile_expert_T.shape)}), got shape "
+                     f"{tuple(x_PxK.shape)}")
+  _check_grouped_weight("grouped_linear_tiles", w, x_PxK.shape)
+  _refuse_complex("grouped_linear_tiles", x_PxK, w)
+  tile_expert_T = tile_expert_T.astype(jnp.int32)
+  if isinstance(w, quant.FP8Weight):
+    return _grouped_fp8_master(x_PxK, w.w, tile_expert_T, cfg)
+  if isinstance(w, quant.QWeight):
+    return _grouped_fp8_frozen(x_PxK, w, tile_expert_T, cfg)
+  return _grouped_bf16(x_PxK, w, tile_expert_T, cfg)
 
 
 def grouped_linear(x_MxK: jax.Array, w, group_sizes_E: jax.Array, cfg: LinearConfig = LinearConfig()) -> jax.Array:
@@ -565,37 +591,24 @@ def grouped_linear(x_MxK: jax.Array, w, group_sizes_E: jax.Array, cfg: LinearCon
   dgrad and wgrad (dw (E, N, K) in the master's dtype; each expert's tokens quantized 1x128 over tokens starting at
   its group's first row); ``QWeight`` with q (E, N, K) and scale (E, N/128, K/128) -> frozen-weight forward + dgrad.
   Numerics: each group's rows of y, dx and each dw_e are bitwise ``linear`` (and its VJP) applied to that group's
-  rows alone (batch-invariant math; ``pallas_kernels.grouped_gemm``), checked on CPU. The FP8 modes run the "xla"
-  reference; a backend that resolves to "pallas" raises (FP8 weights only; BF16 mode has no FP8 GEMM) unless
-  ``cfg.grouped_kernel`` opts in to the grouped Hopper kernel for the forward and dgrad (not yet validated on GPU).
+  rows alone (batch-invariant math; ``pallas_kernels.grouped_gemm``), checked on CPU and, for the grouped Hopper
+  kernel that the FP8 forward and dgrad run on the "pallas" backend, on the H200 (tests/test_grouped.py,
+  tests/test_grouped_kernel.py). The FP8 wgrad runs the reference on every backend (no grouped wgrad kernel yet).
   """
   if x_MxK.ndim != 2:
     raise ValueError(f"grouped_linear: x must be 2-D (M, K) rows sorted by group, got shape {tuple(x_MxK.shape)}")
-  if len(w.shape) != 3:
-    raise ValueError(f"grouped_linear: weight must be 3-D, stored (E, N, K) = (experts, out, in), got shape "
-                     f"{tuple(w.shape)}")
+  _check_grouped_weight("grouped_linear", w, x_MxK.shape)
   group_sizes_E = jnp.asarray(group_sizes_E)
-  e, n, k = w.shape
+  e, n, _ = w.shape
   if e == 0 or group_sizes_E.ndim != 1 or group_sizes_E.shape[0] != e:
     raise ValueError(f"grouped_linear: group_sizes must be 1-D with one size per expert (E={e} from weight "
                      f"{tuple(w.shape)}), got shape {tuple(group_sizes_E.shape)}")
   if not jnp.issubdtype(group_sizes_E.dtype, jnp.integer):
     raise ValueError(f"grouped_linear: group_sizes must be integers, got {group_sizes_E.dtype}")
-  if x_MxK.shape[1] != k:
-    raise ValueError(f"grouped_linear: x has K={x_MxK.shape[1]} (shape {tuple(x_MxK.shape)}) but weight is "
-                     f"{tuple(w.shape)} (stored (E, N, K))")
-  if isinstance(w, quant.QWeight) and w.scale.shape != (e, quant.num_blocks(n), quant.num_blocks(k)):
-    raise ValueError(f"grouped_linear: QWeight scale must be (E, ceil(N/128), ceil(K/128)) = "
-                     f"{(e, quant.num_blocks(n), quant.num_blocks(k))} for q {tuple(w.q.shape)}, got "
-                     f"{tuple(w.scale.shape)}")
   _refuse_complex("grouped_linear", x_MxK, w)
-  group_sizes_E = group_sizes_E.astype(jnp.int32)
-  if x_MxK.shape[0] == 0:
+  m = x_MxK.shape[0]
+  if m == 0:
     return jnp.zeros((0, n), cfg.out_dtype)
-  if isinstance(w, quant.FP8Weight):
-    _grouped_backend(cfg)
-    return _grouped_fp8_master(x_MxK, w.w, group_sizes_E, cfg)
-  if isinstance(w, quant.QWeight):
-    _grouped_backend(cfg)
-    return _grouped_fp8_frozen(x_MxK, w, group_sizes_E, cfg)
-  return _grouped_bf16(x_MxK, w, group_sizes_E, cfg)
+  dest_M, tile_expert_T = grouped_ref.layout(group_sizes_E.astype(jnp.int32), m)
+  x_PxK = grouped_ref.to_tiles(x_MxK, dest_M, grouped_ref.padded_rows(m, e))
+  return grouped_ref.from_tiles(grouped_linear_tiles(x_PxK, w, tile_expert_T, cfg), dest_M)

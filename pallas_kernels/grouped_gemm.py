@@ -21,6 +21,8 @@ wgrad of group e's rows (an empty group gives exact zeros). BF16 mode's gradient
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,14 +54,55 @@ def layout(group_sizes_E: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
   return dest.astype(jnp.int32), tile_expert.astype(jnp.int32)
 
 
+def _gather_rows(x_MxK: jax.Array, idx_P: jax.Array) -> jax.Array:
+  """Rows ``x[idx]`` (zeros where idx is out of range): a gather of whole rows."""
+  return jnp.take(x_MxK, idx_P, axis=0, mode="fill", fill_value=0)
+
+
+def source_rows(dest_M: jax.Array, p: int) -> jax.Array:
+  """Each buffer row's source row (M where none): the inverse of ``dest_M``, by a scatter of the (M,) int32 map."""
+  m = dest_M.shape[0]
+  return jnp.full((p,), m, jnp.int32).at[dest_M].set(jnp.arange(m, dtype=jnp.int32), mode="drop")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def to_tiles(x_MxK: jax.Array, dest_M: jax.Array, p: int) -> jax.Array:
-  """Rows -> the (p, K) tile buffer (zeros between groups and after them)."""
-  return jnp.zeros((p, *x_MxK.shape[1:]), x_MxK.dtype).at[dest_M].set(x_MxK, mode="drop")
+  """Rows -> the (p, K) tile buffer (zeros between groups and after them).
+
+  A gather of whole rows by each buffer row's source row, not a scatter of the rows: only the (M,) int32 index map
+  is scattered (XLA's GPU scatter of whole rows was the slow part of the grouped op: docs/benchmarks.md, "Grouped FP8
+  GEMM"). ``to_tiles`` and ``from_tiles`` are each other's transposes (every buffer row holds at most one row), so
+  their gradients are the same two gathers, exact, with no scatter-add."""
+  return _gather_rows(x_MxK, source_rows(dest_M, p))
 
 
+def _to_tiles_fwd(x_MxK, dest_M, p):
+  return to_tiles(x_MxK, dest_M, p), dest_M
+
+
+def _to_tiles_bwd(p, dest_M, ct_PxK):
+  return from_tiles(ct_PxK, dest_M), None
+
+
+to_tiles.defvjp(_to_tiles_fwd, _to_tiles_bwd)
+
+
+@jax.custom_vjp
 def from_tiles(y_PxN: jax.Array, dest_M: jax.Array) -> jax.Array:
-  """The tile buffer -> rows (zeros for the rows past the groups)."""
-  return jnp.take(y_PxN, dest_M, axis=0, mode="fill", fill_value=0)
+  """The tile buffer -> rows (zeros for the rows past the groups); buffer rows no row maps to are never read."""
+  return _gather_rows(y_PxN, dest_M)
+
+
+def _from_tiles_fwd(y_PxN, dest_M):
+  return from_tiles(y_PxN, dest_M), (dest_M, y_PxN.shape[0])
+
+
+def _from_tiles_bwd(res, ct_MxN):
+  dest_M, p = res
+  return to_tiles(ct_MxN, dest_M, p), None
+
+
+from_tiles.defvjp(_from_tiles_fwd, _from_tiles_bwd)
 
 
 def per_tile(tile_fn, a_PxK: jax.Array, a_s_PxKb: jax.Array | None, tile_expert_T: jax.Array, num_experts: int,
@@ -84,28 +127,32 @@ def tile_operands(a_q_MxK, a_s_MxKb, group_sizes_E, num_groups: int):
   m = a_q_MxK.shape[0]
   dest, tile_expert = layout(group_sizes_E, m)
   p = padded_rows(m, num_groups)
-  # FP8 rows move as their bytes (scatter/gather of the storage bits; no arithmetic on E4M3 values).
+  # FP8 rows move as their bytes (a gather of the storage bits; no arithmetic on E4M3 values).
   a_bits = to_tiles(jax.lax.bitcast_convert_type(a_q_MxK, jnp.uint8), dest, p)
   a_q = jax.lax.bitcast_convert_type(a_bits, a_q_MxK.dtype)
   return a_q, to_tiles(a_s_MxKb, dest, p), dest, tile_expert
 
 
+def gemm_tiles_reference(a_q_PxK, a_s_PxKb, b_q_ExNxK, b_s, tile_expert_T, out_dtype=jnp.bfloat16):
+  """Grouped ``C = A . B_e^T`` on the tile buffer: each used tile is ``fp8_gemm_reference`` against its expert;
+  unused tiles give zeros. (P, N) ``out_dtype``."""
+  e, n = b_q_ExNxK.shape[0], b_q_ExNxK.shape[1]
+  tile = lambda at, st, ei: fp8_gemm_reference(at, st, b_q_ExNxK[ei], b_s[ei], out_dtype=out_dtype)
+  return per_tile(tile, a_q_PxK, a_s_PxKb, tile_expert_T, e, n, out_dtype)
+
+
 def grouped_gemm_reference(a_q_MxK, a_s_MxKb, b_q_ExNxK, b_s, group_sizes_E, out_dtype=jnp.bfloat16):
   """Grouped ``C = A . B_e^T`` on quantized operands (layouts of ``fp8_gemm``, B stacked over experts: b_q (E, N, K),
   b_s (E, Nb, Kb) or (E, N, Kb)). A's 1x128 groups run along K, so its rows move to the tile buffer unchanged."""
-  e, n = b_q_ExNxK.shape[0], b_q_ExNxK.shape[1]
-  a_q, a_s, dest, tile_expert = tile_operands(a_q_MxK, a_s_MxKb, group_sizes_E, e)
-  tile = lambda at, st, ei: fp8_gemm_reference(at, st, b_q_ExNxK[ei], b_s[ei], out_dtype=out_dtype)
-  return from_tiles(per_tile(tile, a_q, a_s, tile_expert, e, n, out_dtype), dest)
+  a_q, a_s, dest, tile_expert = tile_operands(a_q_MxK, a_s_MxKb, group_sizes_E, b_q_ExNxK.shape[0])
+  return from_tiles(gemm_tiles_reference(a_q, a_s, b_q_ExNxK, b_s, tile_expert, out_dtype), dest)
 
 
-def grouped_dot_reference(x_MxK, w_ExNxK, group_sizes_E) -> jax.Array:
-  """BF16-mode grouped ``x . w_e^T``: the dense ``invariant_dot`` (FP32 accumulation) per tile; FP32 out."""
-  m, e, n = x_MxK.shape[0], w_ExNxK.shape[0], w_ExNxK.shape[1]
-  dest, tile_expert = layout(group_sizes_E, m)
-  tile = lambda at, _, ei: invariant_dot(at, w_ExNxK[ei])
-  y = per_tile(tile, to_tiles(x_MxK, dest, padded_rows(m, e)), None, tile_expert, e, n, jnp.float32)
-  return from_tiles(y, dest)
+def dot_tiles_reference(x_PxK, w_ExNxK, tile_expert_T) -> jax.Array:
+  """BF16-mode grouped ``x . w_e^T`` on the tile buffer: the dense ``invariant_dot`` (FP32 accumulation) per tile;
+  FP32 out."""
+  e, n = w_ExNxK.shape[0], w_ExNxK.shape[1]
+  return per_tile(lambda at, _, ei: invariant_dot(at, w_ExNxK[ei]), x_PxK, None, tile_expert_T, e, n, jnp.float32)
 
 
 def grouped_wgrad_tiles(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, num_experts: int) -> jax.Array:
@@ -127,31 +174,26 @@ def grouped_wgrad_tiles(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, num_e
   return acc
 
 
-def grouped_dot_dgrad(ct_MxN, w_ExNxK, group_sizes_E) -> jax.Array:
-  """The VJP of ``grouped_dot_reference`` for x: per tile, the transpose of the dense ``invariant_dot`` (so each
-  group's rows are bitwise the dense autodiff dx). ``ct_MxN`` is the FP32 cotangent; dx in w's dtype."""
-  m, (e, _, k) = ct_MxN.shape[0], w_ExNxK.shape
-  dest, tile_expert = layout(group_sizes_E, m)
+def dot_tiles_dgrad(ct_PxN, w_ExNxK, tile_expert_T) -> jax.Array:
+  """The VJP of ``dot_tiles_reference`` for x: per tile, the transpose of the dense ``invariant_dot`` (so each
+  group's rows are bitwise the dense autodiff dx). ``ct_PxN`` is the FP32 cotangent; dx (P, K) in w's dtype."""
+  e, _, k = w_ExNxK.shape
   a_struct = jax.ShapeDtypeStruct((BLOCK, k), w_ExNxK.dtype)
   tile = lambda ct, _, ei: jax.linear_transpose(lambda a: invariant_dot(a, w_ExNxK[ei]), a_struct)(ct)[0]
-  return from_tiles(per_tile(tile, to_tiles(ct_MxN, dest, padded_rows(m, e)), None, tile_expert, e, k,
-                             w_ExNxK.dtype), dest)
+  return per_tile(tile, ct_PxN, None, tile_expert_T, e, k, w_ExNxK.dtype)
 
 
-def grouped_dot_wgrad(ct_MxN, x_MxK, group_sizes_E, num_experts: int) -> jax.Array:
-  """The VJP of ``grouped_dot_reference`` for w -> (E, N, K) in x's dtype: for each expert, the transpose of the
+def dot_tiles_wgrad(ct_PxN, x_PxK, tile_expert_T, num_experts: int) -> jax.Array:
+  """The VJP of ``dot_tiles_reference`` for w -> (E, N, K) in x's dtype: for each expert, the transpose of the
   dense ``invariant_dot`` over the whole tile buffer with the other groups' rows zeroed. A zero row adds exact
   zeros, so this is the dense autodiff dw of the group's rows alone (checked bitwise on XLA:CPU); it costs E dense
   wgrads of the buffer (a reference, not a kernel)."""
-  m, n, k = x_MxK.shape[0], ct_MxN.shape[1], x_MxK.shape[1]
-  dest, tile_expert = layout(group_sizes_E, m)
-  p = padded_rows(m, num_experts)
-  xb, cb = to_tiles(x_MxK, dest, p), to_tiles(ct_MxN, dest, p)
-  b_struct = jax.ShapeDtypeStruct((n, k), x_MxK.dtype)
+  n, k = ct_PxN.shape[1], x_PxK.shape[1]
+  b_struct = jax.ShapeDtypeStruct((n, k), x_PxK.dtype)
 
   def expert(ei):
-    rows = jnp.repeat(tile_expert == ei, BLOCK)[:, None]
-    xe, ce = jnp.where(rows, xb, 0).astype(xb.dtype), jnp.where(rows, cb, 0).astype(cb.dtype)
+    rows = jnp.repeat(tile_expert_T == ei, BLOCK)[:, None]
+    xe, ce = jnp.where(rows, x_PxK, 0).astype(x_PxK.dtype), jnp.where(rows, ct_PxN, 0).astype(ct_PxN.dtype)
     return jax.linear_transpose(lambda b: invariant_dot(xe, b), b_struct)(ce)[0]
 
   return jax.lax.map(expert, jnp.arange(num_experts, dtype=jnp.int32))

@@ -140,13 +140,53 @@ def test_layout_places_groups_on_tile_boundaries():
   np.testing.assert_array_equal(tile_expert, [0, 0, 2, 3, 3, 4, 4])
 
 
+def test_tile_moves_and_their_gradients_are_exact_transposes():
+  """to_tiles is the row scatter it replaced (bitwise), from_tiles undoes it, and each one's VJP is the other (the
+  gradients gather, never scatter-add): checked against autodiff of the plain scatter / gather."""
+  dest, _ = grouped_gemm.layout(jnp.asarray(SIZES, jnp.int32), M)
+  p = grouped_gemm.padded_rows(M, E)
+  x = rand(21, (M, K), 1.0)
+  scatter = lambda x: jnp.zeros((p, K), x.dtype).at[dest].set(x, mode="drop")  # noqa: E731
+  gather = lambda y: jnp.take(y, dest, axis=0, mode="fill", fill_value=0)  # noqa: E731
+  tiles = grouped_gemm.to_tiles(x, dest, p)
+  np.testing.assert_array_equal(tiles, scatter(x))
+  np.testing.assert_array_equal(grouped_gemm.from_tiles(tiles, dest)[:sum(SIZES)], x[:sum(SIZES)])
+  assert not np.any(np.asarray(grouped_gemm.from_tiles(tiles, dest)[sum(SIZES):]))  # rows past the groups: zeros
+  ct_p, ct_m = rand(22, (p, K), 1.0), rand(23, (M, K), 1.0)
+  for ours, plain, ct in ((lambda x: grouped_gemm.to_tiles(x, dest, p), scatter, ct_p),
+                          (lambda y: grouped_gemm.from_tiles(y, dest), gather, ct_m)):
+    arg = x if ct is ct_p else tiles
+    np.testing.assert_array_equal(jax.vjp(ours, arg)[1](ct)[0], jax.vjp(plain, arg)[1](ct)[0])
+
+
+def test_grouped_linear_tiles_is_grouped_linear_without_the_moves():
+  """The tile form on rows already in the layout gives grouped_linear's rows and gradients, bitwise; bad shapes
+  name themselves."""
+  sizes = jnp.asarray(SIZES, jnp.int32)
+  dest, tile_expert = grouped_gemm.layout(sizes, M)
+  p = grouped_gemm.padded_rows(M, E)
+  x, w, dy = rand(24, (M, K), 1.0, jnp.bfloat16), quant.FP8Weight(rand(25, (E, N, K), 0.05)), rand(26, (M, N), 1.0)
+  y, vjp = jax.vjp(lambda x, w: ops.grouped_linear(x, w, sizes), x, w)
+  tiled = lambda x, w: grouped_gemm.from_tiles(ops.grouped_linear_tiles(  # noqa: E731
+      grouped_gemm.to_tiles(x, dest, p), w, tile_expert), dest)
+  y_t, vjp_t = jax.vjp(tiled, x, w)
+  np.testing.assert_array_equal(bits(y_t), bits(y))
+  for a, b in zip(jax.tree.leaves(vjp_t(dy.astype(y.dtype))), jax.tree.leaves(vjp(dy.astype(y.dtype)))):
+    np.testing.assert_array_equal(bits(a), bits(b))
+  with pytest.raises(ValueError, match=re.escape("x must be (P, K) with P = 128 x tiles = 128 x 7")):
+    ops.grouped_linear_tiles(jnp.zeros((M, K)), w, tile_expert)
+  with pytest.raises(ValueError, match=re.escape("grouped_linear_tiles: x has K=128 (shape (896, 128)) but weight "
+                                                 "is (4, 384, 256)")):
+    ops.grouped_linear_tiles(jnp.zeros((p, 128)), w, tile_expert)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "fp8_master", "qweight"])
 def test_no_rows(kind):
   y = ops.grouped_linear(jnp.zeros((0, K)), WRAP[kind](rand(10, (E, N, K), 0.05)), jnp.zeros((E,), jnp.int32))
   assert y.shape == (0, N) and y.dtype == jnp.bfloat16
 
 
-def test_errors_name_shapes(monkeypatch):
+def test_errors_name_shapes():
   x, w, sizes = jnp.ones((8, K)), rand(11, (E, N, K)), jnp.asarray([2, 2, 2, 2])
   with pytest.raises(ValueError, match=re.escape("x must be 2-D (M, K) rows sorted by group, got shape (2, 4, 256)")):
     ops.grouped_linear(x.reshape(2, 4, K), w, sizes)
@@ -161,19 +201,14 @@ def test_errors_name_shapes(monkeypatch):
   qw = quant.quantize_weight(w)
   with pytest.raises(ValueError, match=re.escape("QWeight scale must be (E, ceil(N/128), ceil(K/128)) = (4, 3, 2)")):
     ops.grouped_linear(x, quant.QWeight(qw.q, qw.scale[:, :2]), sizes)
-  monkeypatch.setattr(ops, "resolve_backend", lambda requested: "pallas")
-  for wq in (quant.FP8Weight(w), qw):
-    with pytest.raises(NotImplementedError, match=r"opt-in only \(LinearConfig\.grouped_kernel=True\).*"
-                                                  r"fp8\.gemm_backend"):
-      ops.grouped_linear(x, wq, sizes)
   assert ops.grouped_linear(x, w, sizes).shape == (8, N)  # BF16 mode runs no FP8 GEMM
 
 
 @cpu_only
 @pytest.mark.parametrize("kind", ["fp8_master", "qweight"])
-def test_grouped_kernel_opt_in_matches_reference(monkeypatch, kind):
-  """LinearConfig(grouped_kernel=True) on the "pallas" backend: forward and dgrad on the grouped Mosaic kernel (here
-  in interpret mode), bitwise the reference path. Small integers with power-of-two scales keep every sum exact, so
+def test_grouped_kernel_on_pallas_matches_reference(monkeypatch, kind):
+  """The "pallas" backend: forward and dgrad on the grouped Mosaic kernel (here in interpret mode), the wgrad on the
+  reference, bitwise the reference path. Small integers with power-of-two scales keep every sum exact, so
   the interpreter's summation order cannot show (the GPU bits: tests/test_grouped_kernel.py)."""
   from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415
 
@@ -181,8 +216,7 @@ def test_grouped_kernel_opt_in_matches_reference(monkeypatch, kind):
   w = rand(13, (E, N, K), 3.0).round()
   dy = rand(14, (M, N), 3.0).round().astype(jnp.bfloat16)
   sizes = jnp.asarray(SIZES, jnp.int32)
-  xla, opt_in = ops.LinearConfig(pow2_scales=True, backend="xla"), ops.LinearConfig(pow2_scales=True,
-                                                                                     grouped_kernel=True)
+  xla, pallas = ops.LinearConfig(pow2_scales=True, backend="xla"), ops.LinearConfig(pow2_scales=True)
   wq = WRAP[kind](w)
   run = lambda cfg: (lambda y, vjp: (y, vjp(dy)[0]))(*jax.vjp(lambda x: ops.grouped_linear(x, wq, sizes, cfg), x))
   y_ref, dx_ref = run(xla)
@@ -190,13 +224,14 @@ def test_grouped_kernel_opt_in_matches_reference(monkeypatch, kind):
 
   def kernel(*args, **kw):
     calls.append(args[0].shape)
-    return fp8_gemm_mgpu.grouped_fp8_gemm(*args, interpret=True, **kw)
+    return fp8_gemm_mgpu.grouped_fp8_gemm_tiles(*args, interpret=True, **kw)
 
   monkeypatch.setattr(ops, "resolve_backend", lambda requested: "pallas")
   monkeypatch.setattr(ops, "_pallas_grouped_gemm", lambda: kernel)
   monkeypatch.setattr(ops, "_pallas_quant", lambda: quant)  # the quantizer itself (the kernels' bits)
-  y, dx = run(opt_in)
-  assert calls == [(M, K), (M, N)]  # forward, dgrad
+  y, dx = run(pallas)
+  p = grouped_gemm.padded_rows(M, E)
+  assert calls == [(p, K), (p, N)]  # forward, dgrad, on the tile buffer
   assert np.any(bits(y)) and np.any(bits(dx))
   np.testing.assert_array_equal(bits(y), bits(y_ref))
   np.testing.assert_array_equal(bits(dx), bits(dx_ref))
@@ -205,13 +240,13 @@ def test_grouped_kernel_opt_in_matches_reference(monkeypatch, kind):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.parametrize("kind", ["fp8_master", "qweight"])
-def test_gpu_grouped_kernel_opt_in_bitwise_dense_per_group(kind):
-  """The opt-in grouped kernel on the H200: each group's y and dx bitwise the dense ``linear`` (the dense Hopper
-  kernel) on that group's rows alone, at a Qwen3-30B-A3B expert shape (gate/up: N 768, K 2048)."""
+def test_gpu_grouped_kernel_bitwise_dense_per_group(kind):
+  """The grouped kernel on the H200 (the "pallas" backend): each group's y and dx bitwise the dense ``linear`` (the
+  dense Hopper kernel) on that group's rows alone, at a Qwen3-30B-A3B expert shape (gate/up: N 768, K 2048)."""
   sizes = (130, 0, 1, 300, 64, 0, 257, 100)
   m, e, n, k = sum(sizes) + 20, len(sizes), 768, 2048
   x, w, dy = rand(15, (m, k), 1.0, jnp.bfloat16), rand(16, (e, n, k), 0.02), rand(17, (m, n), 1.0, jnp.bfloat16)
-  cfg = ops.LinearConfig(backend="pallas", grouped_kernel=True)
+  cfg = ops.LinearConfig(backend="pallas")
   (y, dx, _), dense = grouped_and_dense(kind, sizes, x, w, dy, cfg)
   for g, d in enumerate(dense):
     if d is not None:

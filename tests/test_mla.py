@@ -383,7 +383,7 @@ def test_moonlight_recipes_are_the_real_model(tmp_path):
   from configs import moonlight16b_bf16, moonlight16b_fp8  # noqa: PLC0415
 
   c8, cb = moonlight16b_fp8.get_config(), moonlight16b_bf16.get_config()
-  assert (c8.fp8.mode, c8.fp8.gemm_backend, cb.fp8.mode, cb.fp8.kv_cache) == ("fp8", "xla", "bf16", "bf16")
+  assert (c8.fp8.mode, c8.fp8.gemm_backend, cb.fp8.mode, cb.fp8.kv_cache) == ("fp8", "auto", "bf16", "bf16")
   assert c8.model == cb.model and c8.grpo == cb.grpo
   assert (c8.grpo.num_prompts, c8.grpo.num_generations, c8.grpo.kl_beta, c8.optim.lr) == (32, 16, 0.04, 1e-6)
   cfg = ModelConfig.from_config(c8.model)

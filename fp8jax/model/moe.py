@@ -4,9 +4,10 @@ router and block-FP8 SwiGLU experts.
 Per token: router logits ``x . router^T`` (a BF16 GEMM: the router is not a recipe linear, so it is never
 quantized), probabilities ``softmax`` in FP32 over all experts, the ``k`` largest (``lax.top_k``), renormalized
 when ``norm_topk_prob``, cast to the activation dtype. The token's ``k`` (token, expert) assignments are sorted by
-expert (a stable sort, so the order is a function of the routing alone) and the experts run as three grouped GEMMs
-(``ops.grouped_linear``: each expert's rows are a dense block-FP8 GEMM of their own, bitwise what ``ops.linear``
-gives those rows), then each assignment's output is put back in token order, weighted in FP32 (exact: a product of
+expert (a stable sort, so the order is a function of the routing alone) and gathered once into the grouped GEMM's
+tile layout (each expert's rows from a 128-row boundary), where the experts run as three grouped GEMMs
+(``ops.grouped_linear_tiles``: each expert's rows are a dense block-FP8 GEMM of their own, bitwise what
+``ops.linear`` gives those rows), then each assignment's output is gathered back in token order, weighted in FP32 (exact: a product of
 two BF16 values) and the ``k`` of a token are added in FP32 one slot after the other, rounded to BF16 once. The
 combine has no scatter-add (deterministic on every backend) and no reduce over the k slots: with ``jnp.sum`` (and
 the product in BF16) the decode step's rows came out one BF16 ulp off the training rows on CPU, the compiled
@@ -25,6 +26,7 @@ the routed output in the activation dtype, as transformers does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 from fp8jax import ops
 from fp8jax.model.config import ModelConfig
 from fp8jax.model.mlp import mlp
+from pallas_kernels import grouped_gemm as grouped_ref
 
 
 @jax.tree_util.register_dataclass
@@ -77,6 +80,31 @@ def _route_sigmoid(p, x_MxD, cfg: ModelConfig, lcfg: ops.LinearConfig):
   return w, top_i.astype(jnp.int32), scores / jnp.sum(scores, axis=-1, keepdims=True)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dispatch(x_MxD, row_A, p: int, k: int):
+  """Token rows -> the (p, D) tile buffer: assignment a = token * k + slot of token ``a // k`` goes to buffer row
+  ``row_A[a]`` (zeros elsewhere). The gradient adds each token's k buffer rows in slot order, in FP32 (a fixed
+  order on every backend, where a scatter-add's order is not)."""
+  tok_P = grouped_ref.source_rows(row_A, p) // k  # M (past the last token: a zero row) where no assignment lands
+  return jnp.take(x_MxD, tok_P, axis=0, mode="fill", fill_value=0)
+
+
+def _dispatch_fwd(x_MxD, row_A, p, k):
+  return _dispatch(x_MxD, row_A, p, k), (row_A, jnp.zeros((0,), x_MxD.dtype))
+
+
+def _dispatch_bwd(p, k, res, ct_PxD):
+  row_A, tag = res
+  per_slot = jnp.take(ct_PxD, row_A, axis=0).astype(jnp.float32).reshape(-1, k, ct_PxD.shape[1])
+  dx = per_slot[:, 0]
+  for slot in range(1, k):
+    dx = dx + per_slot[:, slot]
+  return dx.astype(tag.dtype), None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
 def moe(p, x_BxTxD, cfg: ModelConfig, lcfg: ops.LinearConfig, mask_BxT=None):
   """The MoE MLP -> (out (B, T, D) in x's dtype, RouterStats). ``mask_BxT``: tokens that count in the stats."""
   b, t, d = x_BxTxD.shape
@@ -85,16 +113,21 @@ def moe(p, x_BxTxD, cfg: ModelConfig, lcfg: ops.LinearConfig, mask_BxT=None):
   weights_Mxk, experts_Mxk, probs_MxE = route(p, x, cfg, lcfg)
 
   flat = experts_Mxk.reshape(-1)  # assignment a = token * k + slot
+  n_a = flat.shape[0]
   order = jnp.argsort(flat, stable=True)  # assignments sorted by expert
   sizes_E = jnp.bincount(flat, length=n_exp).astype(jnp.int32)
-  xs = x[order // k]
-  gate = ops.grouped_linear(xs, p["expert_gate"], sizes_E, lcfg)
-  up = ops.grouped_linear(xs, p["expert_up"], sizes_E, lcfg)
+  # The experts' rows live in the grouped GEMM's tile layout from dispatch to combine (one gather in, one out).
+  dest_S, tile_expert = grouped_ref.layout(sizes_E, n_a)  # buffer row of the s-th sorted assignment
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n_a, dtype=order.dtype))
+  row_A = dest_S[inverse]  # buffer row of assignment a
+  xs = _dispatch(x, row_A, grouped_ref.padded_rows(n_a, n_exp), k)
+  gate = ops.grouped_linear_tiles(xs, p["expert_gate"], tile_expert, lcfg)
+  up = ops.grouped_linear_tiles(xs, p["expert_up"], tile_expert, lcfg)
   h = jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up
-  ys = ops.grouped_linear(h, p["expert_down"], sizes_E, lcfg)
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+  ys = ops.grouped_linear_tiles(h, p["expert_down"], tile_expert, lcfg)
   # exact for the softmax router's BF16 weights (BF16 x BF16 fits FP32); the sigmoid router's are FP32 already
-  y = ys[inverse].reshape(b * t, k, d).astype(jnp.float32) * weights_Mxk.astype(jnp.float32)[..., None]
+  y = grouped_ref.from_tiles(ys, row_A).reshape(b * t, k, d).astype(jnp.float32) * weights_Mxk.astype(
+      jnp.float32)[..., None]
   out = y[:, 0]
   for slot in range(1, k):  # adds in a fixed order: a reduce's order may follow the shape (seen: decode != training)
     out = out + y[:, slot]
