@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8jax import hf, quant
+from fp8jax import hf, ops, quant
 from fp8jax.model import llama, moe, schema
 from fp8jax.model.config import ModelConfig
 
@@ -155,13 +155,8 @@ def test_config_errors_name_the_key():
     ModelConfig(**base, n_experts=2, n_experts_per_tok=1, moe_ffn_dim=128, mlp_only_layers=(5,))
 
 
-@pytest.mark.parametrize("recipe,kv", [("fp8", "bf16"), ("fp8", "fp8"), ("bf16", "bf16")])
-def test_sampler_logprobs_equal_trainer_logprobs(params, recipe, kv):
-  """One engine with MoE layers: the sampler's log-probs (QWeight experts, KV cache, decode batches that mix
-  sequences) are the trainer's (FP8Weight, full sequences) on CPU, bit for bit, with a BF16 or an FP8 KV cache.
-  (BF16 experts were an xfail until 2026-12-02: an FP32-ulp row difference upstream, from XLA:CPU's whole-array
-  RMSNorm and head reductions, flipped a router near-tie; both now run in fixed row tiles on CPU.)"""
-  rec = FP8 if recipe == "fp8" else BF16
+def _sampler_vs_trainer(params, rec, kv):
+  """The mismatch metrics of the sampler's log-probs against the trainer's on a few prompts (2 samples each)."""
   from fp8jax import sampler as smp  # noqa: PLC0415
   from fp8jax.rl import grpo  # noqa: PLC0415
 
@@ -175,6 +170,43 @@ def test_sampler_logprobs_equal_trainer_logprobs(params, recipe, kv):
   train = fp8jax.jit(lambda p, t, sc: llama.next_token_logprobs(p, t, CFG, temperature=sp.temperature,
                                                                 kv_scales=sc)[0])
   lp = train(quant.mark_fp8(params, rec), jnp.asarray(seq), scales)
-  m = grpo.mismatch_metrics(jnp.asarray(old), lp, jnp.asarray(mask))
+  return grpo.mismatch_metrics(jnp.asarray(old), lp, jnp.asarray(mask))
+
+
+@pytest.mark.parametrize("recipe,kv", [("fp8", "bf16"), ("fp8", "fp8"), ("bf16", "bf16")])
+def test_sampler_logprobs_equal_trainer_logprobs(params, recipe, kv):
+  """One engine with MoE layers: the sampler's log-probs (QWeight experts, KV cache, decode batches that mix
+  sequences) are the trainer's (FP8Weight, full sequences) on CPU, bit for bit, with a BF16 or an FP8 KV cache.
+  (BF16 experts were an xfail until 2026-12-02: an FP32-ulp row difference upstream, from XLA:CPU's whole-array
+  RMSNorm and head reductions, flipped a router near-tie; both now run in fixed row tiles on CPU.)"""
+  m = _sampler_vs_trainer(params, FP8 if recipe == "fp8" else BF16, kv)
   assert float(m["nonfinite_tokens"]) == 0 and float(m["max_abs_logp_diff"]) == 0.0, m
   assert float(m["token_mult_prob_error"]) == 1.0, m
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
+def test_gpu_moe_on_the_kernels(params):
+  """The MoE model on the Hopper kernels (grouped FP8 GEMM on the tile layout, whose unused tiles hold unspecified
+  rows; "auto" resolves every backend to the kernels): logits near the XLA GEMM reference's, finite expert
+  gradients, and sampler == trainer bit for bit."""
+  toks = _tokens(seed=4)
+  qp = quant.quantize_params(params, FP8)
+  fwd = fp8jax.jit(lambda p, t, lcfg: llama.logits(p, llama.forward(p, t, CFG, lcfg)[0], CFG, lcfg),
+                   static_argnums=2)
+  lk, lr = (np.asarray(fwd(qp, toks, ops.LinearConfig(backend=b)), np.float32) for b in ("pallas", "xla"))
+  lk, lr = (x - x.mean(-1, keepdims=True) for x in (lk, lr))
+  assert np.isfinite(lk).all() and np.linalg.norm(lk - lr) / np.linalg.norm(lr) < 0.05
+  assert np.mean(lk.argmax(-1) == lr.argmax(-1)) >= 0.95
+
+  def loss(p):
+    h, _, _ = llama.forward(p, toks, CFG)
+    lp = jax.nn.log_softmax(llama.logits(p, h, CFG)[:, :-1].astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(lp, toks[:, 1:, None], axis=-1))
+
+  g = fp8jax.jit(jax.grad(loss))(quant.mark_fp8(params, FP8))["layers"][0]
+  for key in ("expert_gate", "expert_up", "expert_down"):
+    arr = np.asarray(g[key].w)
+    assert np.all(np.isfinite(arr)) and np.abs(arr).max() > 0, key
+  m = _sampler_vs_trainer(params, FP8, "fp8")
+  assert float(m["nonfinite_tokens"]) == 0 and float(m["max_abs_logp_diff"]) == 0.0, m
