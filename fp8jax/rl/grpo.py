@@ -14,7 +14,7 @@ Conventions shared by all functions:
   by neutral values *before* any ``exp`` ("double where"), so they contribute neither to the value nor -- as a NaN
   through ``0 * inf`` -- to the gradient.
 * Metrics are masked means over the tokens of *this* call (a microbatch); ``num_tokens`` is returned so the caller
-  can re-weight when it averages metrics over microbatches.
+  can re-weight when it averages metrics over microbatches (``fp8jax.rl.learner.Loss.combine`` does).
 
 The recipe follows NeMo RL's GRPO (leave-one-out baseline, optional leave-one-out std normalization, token-level
 loss, k3 KL to a reference) with DAPO's clip-higher, dynamic sampling and overlong filtering, dual-clip PPO, and the

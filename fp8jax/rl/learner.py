@@ -167,20 +167,55 @@ def _trained_positions(mask_BxT):
   return jnp.pad(mask_BxT, ((0, 0), (0, 1)))
 
 
-# A loss: (policy, params, microbatch, gc, n_tok, n_seq) -> (loss, (metrics, ForwardAux)). Summed over the
-# microbatches of a minibatch it is the minibatch's loss (n_tok / n_seq: the whole minibatch's token and sequence
-# counts). A new algorithm is a new entry (``grpo.loss`` picks the RL one), not a branch in the step.
-LOSSES: dict[str, Callable] = {}
+@dataclasses.dataclass(frozen=True)
+class Loss:
+  """A registered loss and how its metrics, computed per microbatch, combine into the minibatch's (``train_step``).
+
+  ``fn``: (policy, params, microbatch, gc, n_tok, n_seq) -> (loss, (metrics, ForwardAux)); summed over the
+  microbatches of a minibatch it is the minibatch's loss (n_tok / n_seq: the whole minibatch's token and sequence
+  counts). Metrics in ``sums`` (shares of the loss, already divided by the minibatch's counts; counts) add up,
+  ``mins`` / ``maxs`` take the extreme over the microbatches that have tokens; every other metric is a masked mean
+  over its microbatch's tokens (grpo.policy_loss) and is combined weighted by the microbatch's ``num_tokens``.
+  """
+  fn: Callable
+  sums: frozenset = frozenset()
+  mins: frozenset = frozenset()
+  maxs: frozenset = frozenset()
+
+  def combine(self, ms: dict) -> dict:
+    """The minibatch's metrics from each microbatch's (``ms``: name -> (n_micro,) array)."""
+    n = ms.get("num_tokens")
+    out = {}
+    for k, v in ms.items():
+      if k in self.sums:
+        out[k] = jnp.sum(v)
+        continue
+      if n is None:
+        raise ValueError(f"loss metric {k!r} is neither in the loss's sums, mins nor maxs, and the loss reports no "
+                         f"num_tokens to weight its microbatches by")
+      has = n > 0
+      if k in self.mins or k in self.maxs:
+        pick, fill = (jnp.min, jnp.inf) if k in self.mins else (jnp.max, -jnp.inf)
+        out[k] = jnp.where(jnp.any(has), pick(jnp.where(has, v, fill)), v[0])  # all empty: the empty value
+      else:  # n / sum(n): exactly 1 for a single microbatch, so its metric is unchanged
+        out[k] = jnp.sum(v * (n / jnp.maximum(jnp.sum(n), 1)))
+    return out
 
 
-def register_loss(name: str):
+# The registered losses. A new algorithm is a new entry (``grpo.loss`` picks the RL one), not a branch in the step.
+LOSSES: dict[str, Loss] = {}
+
+
+def register_loss(name: str, **combine):
+  """Registers ``fn`` as ``LOSSES[name]``; ``combine``: the ``Loss`` fields sums / mins / maxs (metric names)."""
   def add(fn):
-    LOSSES[name] = fn
+    LOSSES[name] = Loss(fn, **{k: frozenset(v) for k, v in combine.items()})
     return fn
   return add
 
 
-@register_loss("grpo")
+@register_loss("grpo", sums=("loss", "pg_loss", "kl_loss", "num_tokens", "num_seqs"), mins=("ratio_min",),
+               maxs=("ratio_max",))
 def grpo_loss(policy: Policy, params, mb, gc: GRPOConfig, n_tok, n_seq):
   """The clipped policy-gradient loss (grpo.policy_loss) of one microbatch.
 
@@ -201,7 +236,7 @@ def grpo_loss(policy: Policy, params, mb, gc: GRPOConfig, n_tok, n_seq):
   return loss, (m, aux)
 
 
-@register_loss("sft")
+@register_loss("sft", sums=("nll", "entropy"))
 def sft_loss(policy: Policy, params, mb, gc, n_tok, n_seq):
   """Cross-entropy on masked target tokens (the tiny task's supervised warm-start), same FP8 forward."""
   del gc, n_seq
@@ -213,13 +248,13 @@ def sft_loss(policy: Policy, params, mb, gc, n_tok, n_seq):
 RL_LOSSES = ("grpo",)  # the LOSSES an RL step may use (sft needs no rollouts: the warm start's)
 
 
-def train_step(state: TrainState, batch: dict, *, loss_fn, policy: Policy, tx, gc, microbatch, kv_margin=None):
+def train_step(state: TrainState, batch: dict, *, loss: Loss, policy: Policy, tx, gc, microbatch, kv_margin=None):
   """One optimizer step over ``batch`` with gradient accumulation over microbatches (lax.scan).
 
-  ``batch``: tokens, mask and what ``loss_fn`` reads, plus ``kv_scales`` when the trainer fake-quantizes K/V as the
+  ``batch``: tokens, mask and what ``loss.fn`` reads, plus ``kv_scales`` when the trainer fake-quantizes K/V as the
   rollout's FP8 cache did (the scales that rollout used). Returns the new state, whose ``kv_scales`` (when the state
   carries them) are the next rollout's: ``margin * amax / 448`` of the K/V this step's forward produced (max over
-  microbatches); and metrics (means over microbatches; loss summed, i.e. the minibatch loss).
+  microbatches); and the minibatch's metrics (``loss.combine`` of the microbatches'; ``loss``: the summed loss).
   """
   b = batch["tokens"].shape[0]
   mb = min(microbatch, b)
@@ -228,7 +263,7 @@ def train_step(state: TrainState, batch: dict, *, loss_fn, policy: Policy, tx, g
   n_seq = jnp.maximum(jnp.sum(jnp.any(batch["mask"] > 0, axis=-1)), 1.0)
   kv_scales = batch.pop("kv_scales", None)
   micro = jax.tree.map(lambda x: x.reshape(n_micro, mb, *x.shape[1:]), batch)
-  grad_fn = jax.value_and_grad(functools.partial(loss_fn, policy), has_aux=True)
+  grad_fn = jax.value_and_grad(functools.partial(loss.fn, policy), has_aux=True)
 
   def body(acc, mbatch):
     if kv_scales is not None:
@@ -238,11 +273,11 @@ def train_step(state: TrainState, batch: dict, *, loss_fn, policy: Policy, tx, g
     return (jax.tree.map(jnp.add, gsum, g), lsum + loss), (m, aux.k_amax_L, aux.v_amax_L)
 
   zeros = jax.tree.map(jnp.zeros_like, state.params)
-  (grads, loss), (ms, k_amax, v_amax) = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
+  (grads, loss_sum), (ms, k_amax, v_amax) = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = {k: jnp.mean(v) for k, v in ms.items()}
-  metrics.update(loss=loss, grad_norm=optax.tree.norm(grads))
+  metrics = loss.combine(ms)
+  metrics.update(loss=loss_sum, grad_norm=optax.tree.norm(grads))  # the loss the gradient is of, summed in order
   # Checked on the host before anything is saved: a finite loss can still give non-finite updated weights.
   metrics["params_finite_"] = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
   new_kv = state.kv_scales
@@ -277,7 +312,7 @@ class Learner:
     self._freeze = functools.partial(sampler_lib.refit, recipe=recipe)
     self._state_sh = self.state_shardings(self.tx, kv=kv_state, ref=bool(gc.kl_beta))
     self.train_step = fp8jax.jit(functools.partial(
-        train_step, loss_fn=LOSSES[gc.loss], policy=self.policy, tx=self.tx, gc=gc, microbatch=gc.microbatch,
+        train_step, loss=LOSSES[gc.loss], policy=self.policy, tx=self.tx, gc=gc, microbatch=gc.microbatch,
         kv_margin=self.kv_margin), donate_argnums=(0,), out_shardings=(self._state_sh, self._rep))
     ws_steps, ws_batch, ws_lr = warmstart
     self.warmstart_steps, self.warmstart_batch = int(ws_steps), int(ws_batch)
@@ -289,7 +324,7 @@ class Learner:
                                    int(ws_steps))[0]
       self._sft_state_sh = self.state_shardings(self.sft_tx, kv=False, ref=False)
       self.sft_step = fp8jax.jit(functools.partial(
-          train_step, loss_fn=LOSSES["sft"], policy=dataclasses.replace(self.policy, temperature=1.0),
+          train_step, loss=LOSSES["sft"], policy=dataclasses.replace(self.policy, temperature=1.0),
           tx=self.sft_tx, gc=gc, microbatch=self.warmstart_batch), donate_argnums=(0,),
           out_shardings=(self._sft_state_sh, self._rep))
     self.logprobs = fp8jax.jit(self.policy.logprobs)
@@ -340,7 +375,8 @@ class Learner:
 
   def init_state(self, params, tx=None) -> TrainState:
     """A state at ``params`` with a fresh ``tx`` optimizer (the RL one by default): step 0, prompt batch 0, RL not
-    started (no KV scales, no reference). ``params`` host or device arrays, placed per the sharding rules."""
+    started (no KV scales, no reference). ``params`` host or device arrays, placed per the sharding rules; device
+    arrays already placed so become the state's own buffers (no copy), which the first step donates."""
     tx = tx or self.tx
     params = jax.device_put(params, sharding.tree_shardings(params, self.mesh))
     sh = self.state_shardings(tx, kv=False, ref=False)
