@@ -305,7 +305,7 @@ class Learner:
                warmstart=(0, 1, 0.0)):
     self.cfg, self.gc, self.mesh = cfg, gc, mesh
     self.policy = Policy(cfg, lcfg, recipe, temperature)
-    self.kv_state, self.kv_margin = kv_state, float(kv_margin)
+    self.kv_margin = float(kv_margin)
     self.tx, self.lr_schedule = make_optimizer(oc, total_steps, schema.decay_mask(cfg))
     self._rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     # The frozen KL reference is scored by the trainer, so it takes the trainer's form of the weights.
@@ -315,8 +315,7 @@ class Learner:
         train_step, loss=LOSSES[gc.loss], policy=self.policy, tx=self.tx, gc=gc, microbatch=gc.microbatch,
         kv_margin=self.kv_margin), donate_argnums=(0,), out_shardings=(self._state_sh, self._rep))
     ws_steps, ws_batch, ws_lr = warmstart
-    self.warmstart_steps, self.warmstart_batch = int(ws_steps), int(ws_batch)
-    self.sft_step = None
+    self.sft_tx = self.sft_step = None
     if ws_steps:
       # Plain Adam (optax.adam's b2 0.999, no decay, clip 1.0) at warmstart.lr, through the one optimizer builder;
       # the warm start's log-probs are those of temperature 1.
@@ -325,7 +324,7 @@ class Learner:
       self._sft_state_sh = self.state_shardings(self.sft_tx, kv=False, ref=False)
       self.sft_step = fp8jax.jit(functools.partial(
           train_step, loss=LOSSES["sft"], policy=dataclasses.replace(self.policy, temperature=1.0),
-          tx=self.sft_tx, gc=gc, microbatch=self.warmstart_batch), donate_argnums=(0,),
+          tx=self.sft_tx, gc=gc, microbatch=int(ws_batch)), donate_argnums=(0,),
           out_shardings=(self._sft_state_sh, self._rep))
     self.logprobs = fp8jax.jit(self.policy.logprobs)
 
@@ -344,7 +343,9 @@ class Learner:
                         is_leaf=lambda x: isinstance(x, tuple))
 
   def _ref_shapes(self):
-    return jax.eval_shape(functools.partial(sampler_lib.prepare_params, recipe=self.policy.recipe), self.param_shapes())
+    """The frozen reference's shapes (``_freeze`` of the master params; jax.eval_shape traces the unjitted one)."""
+    return jax.eval_shape(functools.partial(sampler_lib.prepare_params, recipe=self.policy.recipe),
+                          self.param_shapes())
 
   def abstract_state(self, *, kv: bool, ref: bool) -> TrainState:
     """ShapeDtypeStructs with shardings of a TrainState (with or without KV scales / reference): restore targets."""
@@ -400,6 +401,8 @@ class Learner:
   def warm_start(self, params, batches) -> tuple[Any, dict]:
     """Supervised steps (``sft_step``) over ``batches`` (dicts of tokens and mask) from ``params`` with the warm
     start's own optimizer -> (params, metrics of the last step, on the device)."""
+    if self.sft_step is None:
+      raise ValueError("warmstart.steps=0: this learner has no warm-start step")
     state = self.init_state(params, self.sft_tx)
     m = {}
     for batch in batches:
