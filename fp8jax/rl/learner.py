@@ -197,8 +197,10 @@ class Loss:
       if k in self.mins or k in self.maxs:
         pick, fill = (jnp.min, jnp.inf) if k in self.mins else (jnp.max, -jnp.inf)
         out[k] = jnp.where(jnp.any(has), pick(jnp.where(has, v, fill)), v[0])  # all empty: the empty value
-      else:  # n / sum(n): exactly 1 for a single microbatch, so its metric is unchanged
-        out[k] = jnp.sum(v * (n / jnp.maximum(jnp.sum(n), 1)))
+      elif v.shape[0] == 1:  # one microbatch: its metric is the minibatch's, bit for bit
+        out[k] = v[0]
+      else:  # sum(v n) / sum(n): a mean of exactly 1 (on-policy ratios) stays exactly 1
+        out[k] = jnp.sum(v * n) / jnp.maximum(jnp.sum(n), 1)
     return out
 
 
