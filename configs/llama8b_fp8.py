@@ -34,8 +34,8 @@ def get_config(arg=None):
       slots=512, max_len=4096, max_new_tokens=3584, temperature=1.0, top_p=1.0, top_k=0, decode_chunk=32,
       kv_scale_margin=1.25, prompt_buckets=(128, 256, 512)))
   c.grpo = ml_collections.ConfigDict(dict(
-      num_prompts=64, num_generations=32, normalize_std=True, leave_one_out=True, eps_low=0.2, eps_high=0.2,
-      dual_clip=0.0, agg="token_mean", kl_beta=0.01, is_kind="none", is_lo=0.5, is_hi=2.0,
+      num_prompts=64, num_generations=32, loss="grpo", normalize_std=True, leave_one_out=True, eps_low=0.2,
+      eps_high=0.2, dual_clip=0.0, agg="token_mean", kl_beta=0.01, is_kind="none", is_lo=0.5, is_hi=2.0,
       recompute_old_logp=False, mismatch_sample=64, dynamic_sampling=False, max_refills=2, overlong_filter=False,
       minibatches=1, microbatch=8))
   c.optim = ml_collections.ConfigDict(dict(

@@ -58,6 +58,7 @@ def get_config(arg=None):
 
   c.grpo = ml_collections.ConfigDict(dict(
       num_prompts=32, num_generations=8,  # G completions per prompt
+      loss="grpo",  # a key of fp8jax.rl.learner.LOSSES (the registered RL losses)
       normalize_std=True, leave_one_out=True,
       eps_low=0.2, eps_high=0.2, dual_clip=0.0,  # 0 = off
       agg="token_mean",  # "token_mean" | "seq_mean"

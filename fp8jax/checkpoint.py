@@ -1,9 +1,8 @@
-"""Orbax checkpoints of the RL run: train state (params, optimizer state, step), optional extra items (the frozen
-KL reference policy) + JSON metadata; and the lock that gives one process at a time a run directory.
+"""Orbax checkpoints of the RL run: the train state (one pytree: ``fp8jax.rl.learner.TrainState``, everything a
+resumed run needs) + JSON metadata (what it was made with: layout, seed, model config, the task's data); and the
+lock that gives one process at a time a run directory.
 
 Saves are atomic (orbax writes a temporary directory and renames it when complete) and keep the last ``keep``.
-The metadata holds everything else a resumed run needs to continue exactly: data position, FP8 KV scales, the
-seed (all randomness is derived from (seed, step)), the warm-start flag and the model config.
 
 Integrity: after each save a manifest (``fp8jax_manifest.json`` in the step directory: every file's size) is
 written, so a truncated or missing file is found before orbax reads anything, and named. ``restore_latest`` tries
@@ -47,13 +46,12 @@ class CheckpointUnreadable(RuntimeError):
 
 
 class Checkpointer:
-  def __init__(self, directory: str, keep: int = 2, extra_items: tuple[str, ...] = ()):
+  def __init__(self, directory: str, keep: int = 2):
     self.directory = os.path.abspath(directory)
-    self.extra_items = tuple(extra_items)
     self._mngr = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                               enable_async_checkpointing=False),
-        item_names=("state", "meta", *self.extra_items))
+        item_names=("state", "meta"))
 
   def latest_step(self) -> int | None:
     return self._mngr.latest_step()
@@ -64,14 +62,9 @@ class Checkpointer:
   def step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
-  def save(self, step: int, state, meta: dict, **extra):
-    """Saves ``state``, ``meta`` and the ``extra`` items (pytrees, names given at construction), then the manifest."""
-    unknown = sorted(set(extra) - set(self.extra_items))
-    if unknown:
-      raise ValueError(f"Checkpointer.save: items {unknown} were not declared (extra_items={self.extra_items})")
-    items = {k: ocp.args.StandardSave(v) for k, v in extra.items() if v is not None}
-    self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
-                                                  **items))
+  def save(self, step: int, state, meta: dict):
+    """Saves ``state`` (a pytree) and ``meta`` (JSON), then the manifest."""
+    self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
     self._mngr.wait_until_finished()
     if distributed.is_primary():  # one writer; the others wait for it (a restore may read it next)
       self._write_manifest(step)
@@ -144,21 +137,17 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise many types; name the place, keep the cause)
       raise self._unreadable(step, "meta/", e) from e
 
-  def restore(self, step: int, abstract_state, **extra_abstract):
-    """Restores onto the shardings of ``abstract_state`` (a pytree of arrays or ShapeDtypeStructs), and the extra
-    items given by their abstract pytrees. Returns ``(state, meta)``, or ``(state, meta, extras)`` with extras."""
+  def restore(self, step: int, abstract_state):
+    """Restores onto the shardings of ``abstract_state`` (a pytree of arrays or ShapeDtypeStructs of the saved
+    structure). Returns ``(state, meta)``."""
     self.verify(step)
-    def target(tree):
-      return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-                          tree)
-    items = {k: ocp.args.StandardRestore(target(v)) for k, v in extra_abstract.items()}
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                          abstract_state)
     try:
-      out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target(abstract_state)),
-                                                             meta=ocp.args.JsonRestore(), **items))
+      out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                             meta=ocp.args.JsonRestore()))
     except Exception as e:  # noqa: BLE001
       raise self._unreadable(step, "the state", e) from e
-    if extra_abstract:
-      return out["state"], out["meta"], {k: out[k] for k in extra_abstract}
     return out["state"], out["meta"]
 
   def _unreadable(self, step: int, what: str, e: Exception) -> CheckpointUnreadable:

@@ -49,7 +49,6 @@ import numpy as np
 from fp8jax import ops, quant
 from fp8jax.model import llama, schema
 from fp8jax.model.config import ModelConfig
-from fp8jax.model.layers import rope_inv_freq
 
 log = logging.getLogger(__name__)
 
@@ -956,30 +955,6 @@ def _warn_mixed_fused(not_converted: list[str], cfg: ModelConfig):
       if len(flags) > 1:
         log.warning("export_fp8: layer %d has %s partly FP8, partly BF16; vLLM fuses these and will refuse it",
                     i, "/".join(m.rsplit(".", 1)[-1] for m in group))
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Diagnostics
-# ------------------------------------------------------------------------------------------------------------------
-
-
-def residual_stream(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.LinearConfig()):
-  """Hidden states like transformers' ``output_hidden_states``: [embeddings, after layer 0, ..., after layer L-1].
-
-  Runs ``llama.forward``'s layer loop (full sequence, no cache) through the same ``llama.decoder_layer``;
-  ``rms_norm(out[-1], final_norm)`` equals ``forward``'s hidden (tests check it bit for bit).
-  """
-  b, t = tokens_BxT.shape
-  positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  lcfg = dataclasses.replace(lcfg, out_dtype=cfg.dtype)
-  x = params["embed"].astype(jnp.dtype(cfg.dtype))[tokens_BxT]
-  inv_freq = rope_inv_freq(cfg)
-  out = [x]
-  for i, p in enumerate(params["layers"]):
-    x, _, _, _ = llama.decoder_layer(p, x, positions_BxT, cfg, lcfg, inv_freq, layer=i, cache=None, kv_scales=None,
-                                     own_positions=True)
-    out.append(x)
-  return out
 
 
 # ------------------------------------------------------------------------------------------------------------------

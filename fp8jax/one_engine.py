@@ -28,7 +28,7 @@ import fp8jax
 from fp8jax import kvcache as kvc
 from fp8jax import ops, quant, sampler
 from fp8jax.model import ModelConfig, gqa, head, init_params, llama, mla
-from fp8jax.rl import grpo
+from fp8jax.rl import grpo, learner
 
 
 def model_config(dim: int, layers: int, vocab: int) -> ModelConfig:
@@ -67,8 +67,8 @@ def sampler_vs_trainer(cfg: ModelConfig, recipe: quant.Recipe, prompts, *, slots
   kv = s.calibrate_kv_scales(sp_params, prompts, 1.25) if recipe.kv_cache == "fp8" else None
   ro = s.generate(sp_params, prompts, sampler.SamplingParams(max_new_tokens=max_new, seed=1), n=samples, kv_scales=kv)
   seq, mask, gen_lp = ro.sequences()
-  trainer_lp = fp8jax.jit(lambda p, t: llama.next_token_logprobs(quant.mark_fp8(p, recipe), t, cfg, lcfg,
-                                                                 kv_scales=kv)[0])(master, jnp.asarray(seq))
+  policy = learner.Policy(cfg, lcfg, recipe)  # the trainer's log-probs, as its loss and mismatch pass read them
+  trainer_lp = fp8jax.jit(lambda p, t: policy.logprobs(p, t, kv_scales=kv)[0])(master, jnp.asarray(seq))
   m = {k: float(v) for k, v in grpo.mismatch_metrics(jnp.asarray(gen_lp), trainer_lp, jnp.asarray(mask)).items()}
   sel = mask > 0
   m["bitwise_equal_frac"] = float(np.mean(np.asarray(trainer_lp)[sel] == gen_lp[sel]))

@@ -219,6 +219,11 @@ def prepare_params(params, recipe: quant.Recipe, dtype=jnp.bfloat16):
                       is_leaf=quant.is_fp8_leaf)
 
 
+# The refit: ``prepare_params`` jitted once per (recipe, dtype). One program for every caller (the rollout worker's
+# sampling weights, the learner's frozen reference when the two recipes are the same).
+refit = fp8jax.jit(prepare_params, static_argnames=("recipe", "dtype"))
+
+
 class Sampler:
   """Generates rollouts with the model function. Jitted functions are built once per (configs, shapes).
 

@@ -188,7 +188,8 @@ def _train_step_child(impl_spec: str, seqs: int, seq_len: int, layers: int):
   and '+bf16' (the BF16 recipe instead of FP8), '+xla_norm' (XLA's RMSNorm instead of the fixed-tile kernel) and
   '+xla_gemm' (fp8.gemm_backend='xla': cuBLAS for BF16 GEMMs, the XLA reference for FP8 ones)."""
   from fp8jax import quant  # noqa: PLC0415
-  from fp8jax.model import ModelConfig, head, init_params, llama  # noqa: PLC0415
+  from fp8jax.model import ModelConfig, head, init_params  # noqa: PLC0415
+  from fp8jax.rl.learner import Policy  # noqa: PLC0415
 
   impl, *variants = impl_spec.split("+")
   if "whole_head" in variants:
@@ -209,11 +210,11 @@ def _train_step_child(impl_spec: str, seqs: int, seq_len: int, layers: int):
   params = init_params(cfg, seed=0)
   recipe = quant.Recipe(mode="bf16" if "bf16" in variants else "fp8",
                         gemm_backend="xla" if "xla_gemm" in variants else "auto")
-  lcfg = ops.LinearConfig.from_recipe(recipe)
+  policy = Policy(cfg, ops.LinearConfig.from_recipe(recipe), recipe)  # the trainer's log-probs
   toks = jax.random.randint(jax.random.key(1), (seqs, seq_len), 0, cfg.vocab_size)
 
   def loss(p, t):
-    lp, _, _ = llama.next_token_logprobs(quant.mark_fp8(p, recipe), t, cfg, lcfg)
+    lp, _, _ = policy.logprobs(p, t)
     return -jnp.mean(lp)
 
   step = fp8jax.jit(jax.value_and_grad(loss))

@@ -12,11 +12,12 @@ each step in this process:
     sampled tokens differ, and by how much;
   * the train step twice from one state: every parameter leaf bitwise equal after the update?
 then continues the loop from the first update (the next rollout's FP8 KV scales from its amax, as the trainer does).
+It calls the loop's public pieces: ``RolloutWorker.refit`` / ``generate``, ``rollout.train_batch``,
+``Learner.logprobs`` / ``train_step``.
 Prints one JSON line per step. XLA options under test go in XLA_FLAGS (docs/benchmarks.md "Exact one engine").
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from fp8jax.config_utils import load_config_file  # noqa: E402
+from fp8jax.rl import rollout  # noqa: E402
 from fp8jax.rl.trainer import RLTrainer  # noqa: E402
 
 
@@ -56,31 +58,31 @@ def differing_leaves(a, b) -> list[str]:
 
 
 def check_step(tr: RLTrainer, step: int) -> dict:
-  gc = tr.gc
-  sparams = tr._prepare(tr.state.params)
+  gc, learner, worker = tr.gc, tr.learner, tr.worker
+  tr.start_rl()  # the KV scales (and reference) the loop starts from
+  sparams = worker.refit(tr.state.params)
   prompts, answers = tr.task.train_prompts(gc.num_prompts, step=step)
-  sp = dataclasses.replace(tr.sp, seed=1000 + step)
-  ro, ro2 = (tr.sampler.generate(sparams, prompts, sp, n=gc.num_generations, kv_scales=tr._kv_scales())
+  ro, ro2 = (worker.generate(sparams, prompts, n=gc.num_generations, seed=1000 + step, kv_scales=tr.state.kv_scales)
              for _ in range(2))
   (s1, _, o1), (s2, _, o2) = ro.sequences(pad_id=tr.task.pad_id), ro2.sequences(pad_id=tr.task.pad_id)
   r = {"step": step, "rollout_repeat_bitwise": bitwise(s1, s2) and bitwise(o1, o2)}
   rewards = tr.task.score(ro, [answers[i] for i in ro.prompt_idx]).reshape(gc.num_prompts, gc.num_generations)
-  batch, _ = tr._build_batch([(ro, np.ones(gc.num_prompts, bool))], [rewards])
-  kv = tr._kv_scales() if tr.train_recipe.kv_cache == "fp8" else None
+  batch, _ = rollout.train_batch([(ro, np.ones(gc.num_prompts, bool))], [rewards], gc, tr.task.pad_id)
+  kv = tr.state.kv_scales if learner.fp8_kv else None
   tok = jnp.asarray(batch["tokens"])
-  lp32, lp32b, lp_all = (np.asarray(tr._logprobs(tr.state.params, t, kv_scales=kv)[0]) for t in (tok[:32], tok[:32], tok))
+  lp32, lp32b, lp_all = (np.asarray(learner.logprobs(tr.state.params, t, kv_scales=kv)[0])
+                         for t in (tok[:32], tok[:32], tok))
   r["trainer_repeat_bitwise"], r["trainer_rows_batch_invariant"] = bitwise(lp32, lp32b), bitwise(lp32, lp_all[:32])
   d = np.where(batch["mask"] > 0, np.abs(lp_all - batch["old_logp"]), 0.0)
   r.update(tokens=int((batch["mask"] > 0).sum()), sampler_vs_trainer_tokens_differ=int((d > 0).sum()),
            sampler_vs_trainer_max_abs_dlp=float(d.max()))
   mb = dict(batch, **({"kv_scales": kv} if kv is not None else {}))
   state0 = jax.tree.map(jnp.copy, tr.state)
-  new, metrics = tr._grpo_step(jax.tree.map(jnp.copy, state0), dict(mb))
-  again, _ = tr._grpo_step(state0, dict(mb))  # the step donates its state: each call gets its own copy
+  new, _ = learner.train_step(jax.tree.map(jnp.copy, state0), dict(mb))
+  again, _ = learner.train_step(state0, dict(mb))  # the step donates its state: each call gets its own copy
   r["train_step_leaves_differ"] = differing_leaves(new.params, again.params)
   del again
-  tr.state = new
-  tr._recalibrate_kv_scales(metrics)
+  tr.state = new  # its KV scales are the next rollout's (from this step's K/V amax), as in the loop
   return r
 
 

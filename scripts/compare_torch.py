@@ -52,7 +52,7 @@ def torch_outputs(hf_dir: str, tokens_BxT: np.ndarray, dtype: str = "float32"):
   n = model.config.num_hidden_layers
   hs = [h.float().numpy() for h in out.hidden_states]
   # transformers returns L+1 states; in Llama/Qwen3 the last one is after the final norm: recompute the pre-norm one
-  # from a hook so every entry is a residual stream (as fp8jax.hf.residual_stream returns).
+  # from a hook so every entry is a residual stream (as fp8jax's forward(..., residuals=True) returns).
   if len(hs) == n + 1:
     captured = {}
     layer = model.model.layers[n - 1]
@@ -71,8 +71,8 @@ def fp8jax_outputs(params, cfg, tokens_BxT: np.ndarray, recipe: quant.Recipe):
 
   @jax.jit
   def run(p, toks):
-    hidden, _, _ = llama.forward(p, toks, cfg, lcfg)
-    return llama.logits(p, hidden, cfg, lcfg), hf.residual_stream(p, toks, cfg, lcfg)
+    hidden, _, aux = llama.forward(p, toks, cfg, lcfg, residuals=True)
+    return llama.logits(p, hidden, cfg, lcfg), list(aux.residuals)
 
   logits, hs = run(run_params, jnp.asarray(tokens_BxT))
   return np.asarray(logits, np.float32), [np.asarray(h, np.float32) for h in hs]

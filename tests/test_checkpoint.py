@@ -229,3 +229,17 @@ def test_kl_run_refuses_a_checkpoint_without_reference(tmp_path):
   tr = trainer_lib.RLTrainer(small_config(**{"grpo.kl_beta": 0.01}), str(tmp_path))
   with pytest.raises(trainer_lib.CheckpointMismatch, match="holds no KL reference policy"):
     tr.restore()
+
+
+def test_a_checkpoint_of_the_old_layout_is_refused_naming_its_directory(tmp_path):
+  """Layout 1 (before the train state held the KV scales, the KL reference and the data position): its state item
+  is {params, opt_state, step} and its metadata has no "layout". Not restored into the wrong structure, not moved
+  aside as corrupt: an error naming the step directory."""
+  ck = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
+  ck.save(3, {"params": {"x": jnp.zeros(2)}, "step": jnp.zeros((), jnp.int32)},
+          {"step": 3, "seed": 0, "warm_done": True, "prompt_batch": 3, "kv_scales": None, "kl_reference": False})
+  tr = trainer_lib.RLTrainer(small_config(), str(tmp_path))
+  with pytest.raises(trainer_lib.CheckpointMismatch, match=rf"{tmp_path}/checkpoints/3 was written by an older "
+                     r"fp8jax \(checkpoint layout 1"):
+    tr.restore()
+  assert tr.ckpt.all_steps() == [3]

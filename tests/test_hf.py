@@ -126,11 +126,14 @@ def test_bf16_logits_match_transformers(arch, dirs, loaded):
   assert s["max_abs"] <= 1.5 * yard["max_abs"] and s["mean_abs"] <= 1.5 * yard["mean_abs"], (s, yard)
   assert s["max_abs"] <= 2**-4 * np.abs(ref).max(), s
   assert s["top1"] >= 0.95 and s["kl_mean"] < 1e-4, s
-  # The residual-stream helper runs the model's own layers: its last state, normed, is forward's hidden exactly.
+  # The residual stream forward returns (as compare_torch reads it): embeddings first, its last state the one the
+  # final norm turns into forward's hidden, exactly.
   lcfg = ops.LinearConfig.from_recipe(BF16)
   hidden = jax.jit(lambda p, t: llama.forward(p, t, cfg, lcfg)[0])(params, toks)
-  normed = jax.jit(lambda p, t: layers.rms_norm(hf.residual_stream(p, t, cfg, lcfg)[-1], p["final_norm"],
-                                               cfg.norm_eps))(params, toks)
+  stream = jax.jit(lambda p, t: llama.forward(p, t, cfg, lcfg, residuals=True)[2].residuals)(params, toks)
+  assert len(stream) == cfg.n_layers + 1 and len(hs) == cfg.n_layers + 1
+  np.testing.assert_array_equal(np.asarray(stream[0]), np.asarray(params["embed"].astype(cfg.dtype)[toks]))
+  normed = jax.jit(lambda p, x: layers.rms_norm(x, p["final_norm"], cfg.norm_eps))(params, stream[-1])
   np.testing.assert_array_equal(np.asarray(hidden, np.float32), np.asarray(normed, np.float32))
 
 

@@ -49,20 +49,19 @@ def test_recompute_and_is_corrections_change_the_loss_as_the_formulas_say(tmp_pa
   tr.warmstart()
   params0 = jax.tree.map(np.asarray, tr.state.params)
   rollouts, batches = [], []
-  real_generate, real_step = tr.sampler.generate, tr._grpo_step
-  monkeypatch.setattr(tr.sampler, "generate", lambda *a, **kw: rollouts.append(real_generate(*a, **kw)) or
+  real_generate, real_step = tr.worker.sampler.generate, tr.learner.train_step
+  monkeypatch.setattr(tr.worker.sampler, "generate", lambda *a, **kw: rollouts.append(real_generate(*a, **kw)) or
                       rollouts[-1])
-  monkeypatch.setattr(tr, "_grpo_step", lambda state, mb: batches.append(jax.tree.map(np.asarray, mb)) or
+  monkeypatch.setattr(tr.learner, "train_step", lambda state, mb: batches.append(jax.tree.map(np.asarray, mb)) or
                       real_step(state, mb))
   metrics = {}
   for name, recompute, kind in (("sampler", False, "none"), ("none", True, "none"), ("tis", True, "tis"),
                                 ("icepop", True, "icepop")):
     # The same starting point each time: the warm-started weights, a fresh optimizer, prompt batch 0, KV scales
-    # calibrated again. (is_kind and recompute_old_logp act on the host side of step(); the jitted loss reads
-    # neither, so replacing them on the trainer is enough.)
-    tr.gc = dataclasses.replace(tr.gc, recompute_old_logp=recompute, is_kind=kind)
+    # calibrated again (load_pretrained's fresh state). (is_kind and recompute_old_logp act in Learner.prepare,
+    # outside the jitted steps, whose loss reads neither: replacing them on the learner is enough.)
+    tr.learner.gc = dataclasses.replace(tr.gc, recompute_old_logp=recompute, is_kind=kind)
     tr.load_pretrained(params0)
-    tr.prompt_batch, tr.kv_scales = 0, None
     metrics[name] = tr.step(0)
   ro = rollouts[-1]
   tokens, mask, gen_lp = ro.sequences(pad_id=tr.task.pad_id)
@@ -70,7 +69,8 @@ def test_recompute_and_is_corrections_change_the_loss_as_the_formulas_say(tmp_pa
     np.testing.assert_array_equal(other.tokens, ro.tokens)
   assert len(batches) == 4  # one minibatch per step
   adv_B = batches[0]["adv"]
-  lp = fp8jax.jit(lambda p, t: llama.next_token_logprobs(p, t, tr.cfg, tr.lcfg, temperature=tr.sp.temperature)[0])
+  lp = fp8jax.jit(lambda p, t: llama.next_token_logprobs(p, t, tr.cfg, tr.learner.policy.lcfg,
+                                                        temperature=tr.worker.sp.temperature)[0])
   train_lp = np.asarray(lp(jax.tree.map(jnp.asarray, params0), jnp.asarray(tokens)))
   on = mask > 0
   n_tok = mask.sum()

@@ -14,7 +14,6 @@ import pytest
 from configs import llama8b_fp8
 from fp8jax import hf
 from fp8jax.rl import data, source
-from fp8jax.rl import trainer as trainer_lib
 from fp8jax.rl.math_source import MathSource
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +34,7 @@ def math_config(tmp_path_factory):
 
 
 def _sources(math_config):
-  return {"arithmetic": trainer_lib._ArithmeticSource(small_config()), "math": MathSource(math_config)}
+  return {"arithmetic": source.ArithmeticSource(small_config()), "math": MathSource(math_config)}
 
 
 @pytest.mark.parametrize("name", ["arithmetic", "math"])

@@ -3,6 +3,7 @@
 import fp8jax
 import fp8jax.metrics
 
+import dataclasses
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from configs import tiny_fp8
+from fp8jax.rl import source
 from fp8jax.rl import trainer as trainer_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +51,7 @@ def _parity_score(self, ro, answers):
 
 @pytest.fixture
 def parity_reward(monkeypatch):
-  monkeypatch.setattr(trainer_lib._ArithmeticSource, "score", _parity_score)
+  monkeypatch.setattr(source.ArithmeticSource, "score", _parity_score)
 
 
 def _form(w):
@@ -62,7 +64,7 @@ def record_weight_forms(monkeypatch, tr):
   from fp8jax.model import llama  # noqa: PLC0415
 
   seen = {"sampler": set(), "trainer": set(), "trainer_kv": set()}
-  real_generate, real_lp = tr.sampler.generate, llama.next_token_logprobs
+  real_generate, real_lp = tr.worker.sampler.generate, llama.next_token_logprobs
 
   def generate(params, *a, **kw):
     seen["sampler"].add(_form(params["layers"][0]["wq"]))
@@ -73,7 +75,7 @@ def record_weight_forms(monkeypatch, tr):
     seen["trainer_kv"].add(kw.get("kv_scales") is not None)
     return real_lp(params, *a, **kw)
 
-  monkeypatch.setattr(tr.sampler, "generate", generate)
+  monkeypatch.setattr(tr.worker.sampler, "generate", generate)
   monkeypatch.setattr(llama, "next_token_logprobs", next_token_logprobs)
   return seen
 
@@ -84,14 +86,14 @@ def test_full_rl_step_and_one_engine_mismatch(tmp_path, monkeypatch, parity_rewa
   seen = record_weight_forms(monkeypatch, tr)
   before = jax.tree.map(np.asarray, tr.state.params)
   calls, rollout_prompts = [], []
-  real_prompts, real_generate = tr.task.train_prompts, tr.sampler.generate
+  real_prompts, real_generate = tr.task.train_prompts, tr.worker.sampler.generate
   monkeypatch.setattr(tr.task, "train_prompts", lambda n, step: calls.append(step) or real_prompts(n, step))
-  monkeypatch.setattr(tr.sampler, "generate", lambda p, prompts, sp, **kw: rollout_prompts.append(prompts)
+  monkeypatch.setattr(tr.worker.sampler, "generate", lambda p, prompts, sp, **kw: rollout_prompts.append(prompts)
                       or real_generate(p, prompts, sp, **kw))
   m = tr.step(0)
   for key in ("reward_mean", "reward_std", "token_mult_prob_error", "gen_kl_error", "sampling_importance_ratio",
               "loss", "grad_norm", "clip_frac_low", "clip_frac_high", "entropy", "lr", "gen_len_mean",
-              "gen_tokens_per_s", "rollout_s", "reward_s", "train_s", "requant_s", "kv_recalib_s"):
+              "gen_tokens_per_s", "rollout_s", "reward_s", "train_s", "requant_s", "step_s"):
     assert key in m, key
   # One engine: the sampler's log-probs are the trainer's (FP8 weights, FP8 KV cache) up to FP32 reduction order.
   assert float(m["token_mult_prob_error"]) <= 1 + 1e-5
@@ -99,12 +101,12 @@ def test_full_rl_step_and_one_engine_mismatch(tmp_path, monkeypatch, parity_rewa
   assert int(tr.state.step) == 1
   changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(tr.state.params))]
   assert float(m["grad_norm"]) > 0 and all(changed), (m["grad_norm"], changed)  # rewards with variance move every leaf
-  assert tr.kv_scales is not None and np.all(np.asarray(tr.kv_scales[0]) > 0)
+  assert tr.state.kv_scales is not None and np.all(np.asarray(tr.state.kv_scales[0]) > 0)
   # FP8 KV calibration drew prompts before the rollout, and the rollout still got batch 0 (the old MathSource
   # advanced an iterator, so calibration silently consumed a training batch); the next step gets batch 1.
   tr.step(1)
-  fresh = trainer_lib._ArithmeticSource(small_config())
-  assert calls == [0, 0, 1] and tr.prompt_batch == 2 and tr._meta(2)["prompt_batch"] == 2
+  fresh = source.ArithmeticSource(small_config())
+  assert calls == [0, 0, 1] and int(tr.state.prompt_batch) == 2  # the data position is part of the saved state
   assert rollout_prompts == [fresh.train_prompts(4, 0)[0], fresh.train_prompts(4, 1)[0]]
 
 
@@ -118,7 +120,7 @@ def test_fp8_rollout_runs_fp8_in_the_sampler_and_bf16_in_the_trainer(tmp_path, m
   tr.warmstart()
   m = tr.step(0)
   assert seen == {"sampler": {"QWeight"}, "trainer": {"plain"}, "trainer_kv": {False}}, seen
-  assert tr.scfg.kv_cache == "fp8" and tr.kv_scales is not None and np.all(np.asarray(tr.kv_scales[0]) > 0)
+  assert tr.worker.fp8_kv and tr.state.kv_scales is not None and np.all(np.asarray(tr.state.kv_scales[0]) > 0)
   assert float(m["token_mult_prob_error"]) > 1 + 1e-3, m["token_mult_prob_error"]
   assert float(m["gen_kl_error"]) > 0 and float(m["max_abs_logp_diff"]) > 0
 
@@ -134,14 +136,15 @@ def test_fp8_rollout_config_errors_name_the_key(tmp_path, monkeypatch):
 def test_kl_beta_zero_skips_reference_forward(tmp_path):
   calls = []
   tr = trainer_lib.RLTrainer(small_config(), str(tmp_path))
-  real = tr._logprobs
-  tr._logprobs = lambda params, tokens, **kw: calls.append(tokens.shape[0]) or real(params, tokens, **kw)
+  real = tr.learner.logprobs
+  tr.learner.logprobs = lambda params, tokens, **kw: calls.append(tokens.shape[0]) or real(params, tokens, **kw)
   tr.step(0)
-  assert tr.ref_params is None and calls == [8]  # only the mismatch sample, no reference pass
+  assert tr.state.ref_params is None and calls == [8]  # only the mismatch sample, no reference pass
   tr2 = trainer_lib.RLTrainer(small_config(**{"grpo.kl_beta": 0.01}), str(tmp_path / "kl"))
   m = tr2.step(0)
-  # at the first step the policy is the reference: the KL is 0 up to XLA:CPU's row-count-dependent ulps
-  assert tr2.ref_params is not None and "kl" in m and abs(float(m["kl"])) <= 1e-8, m["kl"]
+  # at the first step the policy is the reference, and the trainer's log-probs of it (FP8 weights quantized on the
+  # fly, 8-row microbatches) are bitwise the reference pass's (its QWeights, all 16 rows): the KL is exactly 0
+  assert tr2.state.ref_params is not None and float(m["kl"]) == 0.0 and float(m["kl_loss"]) == 0.0, m
 
 
 def _run(workdir, steps, trainer_out=None, **over):
@@ -164,11 +167,11 @@ def test_resume_gives_the_same_metrics(tmp_path, parity_reward):
   trainers = []
   full = _run(tmp_path / "a", 3, trainers, **STATEFUL)
   # Each train step compiled once for the whole run (2 SFT steps, 3 GRPO steps): the state keeps its shardings.
-  assert trainers[0]._sft_step._cache_size() == 1
-  assert trainers[0]._grpo_step._cache_size() == 1
+  assert trainers[0].learner.sft_step._cache_size() == 1
+  assert trainers[0].learner.train_step._cache_size() == 1
   # Not a vacuous comparison: the policy moved away from the reference, and dynamic sampling refilled.
   assert full[-1]["kl"] > 0 and full[-1]["grad_norm"] > 0
-  assert trainers[0].prompt_batch > 3, trainers[0].prompt_batch
+  assert int(trainers[0].state.prompt_batch) > 3, trainers[0].state.prompt_batch
   _run(tmp_path / "b", 2, **STATEFUL)
   # A row the interrupted run wrote after its last checkpoint (killed before the next one): dropped on resume.
   with open(tmp_path / "b" / "metrics.jsonl", "a") as f:
@@ -189,7 +192,7 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(tmp_path):
   tr.step(0)
   tr.save(1)
   bad = jax.tree.map(lambda x: x * jnp.nan if x.ndim == 2 else x, tr.state.params)
-  tr.state = trainer_lib.TrainState(bad, tr.state.opt_state, tr.state.step)
+  tr.state = dataclasses.replace(tr.state, params=bad)
   with pytest.raises(trainer_lib.NonFiniteLoss, match="RL step 2 .*latest checkpoint, step 1"):
     tr.step(1)  # 0-based: metrics row 2
   assert tr.ckpt.latest_step() == 1
@@ -240,8 +243,8 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
 import fp8jax, jax, numpy as np
 from test_trainer import small_config, _parity_score
-from fp8jax.rl import trainer as T
-T._ArithmeticSource.score = _parity_score  # rewards with variance: a real gradient to compare
+from fp8jax.rl import source, trainer as T
+source.ArithmeticSource.score = _parity_score  # rewards with variance: a real gradient to compare
 out = {{}}
 meshes = (("one", dict(data=1, fsdp=1, tensor=1)), ("four", dict(data=1, fsdp=2, tensor=2)),
           ("eight", dict(data=2, fsdp=2, tensor=2)))
@@ -288,8 +291,6 @@ def test_sharded_equals_unsharded_on_4_and_8_fake_devices(tmp_path):
 
 def test_tiny_config_lists_every_optimizer_key():
   """Every OptimConfig field is in the (locked) tiny config, so each can be overridden from the command line."""
-  import dataclasses  # noqa: PLC0415
-
   assert set(tiny_fp8.get_config().optim) == {f.name for f in dataclasses.fields(trainer_lib.OptimConfig)}
 
 

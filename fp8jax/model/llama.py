@@ -44,6 +44,7 @@ class ForwardAux:
   k_amax_L: jax.Array  # (L,) max |K| per layer (post-RoPE), for FP8 KV-scale calibration
   v_amax_L: jax.Array
   router: tuple[RouterStats, ...] = ()  # one per MoE layer, in layer order (moe.load_balancing_loss)
+  residuals: tuple[jax.Array, ...] = ()  # forward(..., residuals=True): the residual stream, embeddings first
 
 
 def decoder_layer(p, x, positions_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig, inv_freq, *, layer: int, cache,
@@ -67,12 +68,15 @@ def decoder_layer(p, x, positions_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig,
 
 
 def forward(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.LinearConfig(), *,
-            positions_BxT=None, cache: kvc.KVCache | None = None, kv_scales=None, router_mask_BxT=None):
+            positions_BxT=None, cache: kvc.KVCache | None = None, kv_scales=None, router_mask_BxT=None,
+            residuals: bool = False):
   """Decoder forward -> (hidden_BxTxD after the final norm, new cache or None, ForwardAux).
 
   ``kv_scales``: (k_scale_L, v_scale_L) to fake-quantize K/V like an FP8 rollout cache (training only; with a
   cache the cache's own scales are used). ``router_mask_BxT``: the tokens that count in the MoE routing statistics
-  (padding excluded); all by default. Logits: ``logits(params, hidden, cfg)``.
+  (padding excluded); all by default. ``residuals``: also return the residual stream in ``ForwardAux.residuals``,
+  like transformers' ``output_hidden_states`` ([embeddings, after layer 0, ..., after layer L-1]; diagnostics).
+  Logits: ``logits(params, hidden, cfg)``.
   """
   b, t = tokens_BxT.shape
   own_positions = positions_BxT is None and cache is None
@@ -91,9 +95,10 @@ def forward(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.L
 
   if cfg.remat and cache is None:
     layer_fn = jax.checkpoint(layer_fn, static_argnums=(3,))
-  new_k, new_v, k_amax, v_amax, router = [], [], [], [], []
+  new_k, new_v, k_amax, v_amax, router, stream = [], [], [], [], [], [x]
   for i, p in enumerate(params["layers"]):
     x, new_layer, (ka, va), stats = layer_fn(p, x, cache, i)
+    stream.append(x)
     k_amax.append(ka)
     v_amax.append(va)
     if stats is not None:
@@ -104,7 +109,8 @@ def forward(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.L
         new_v.append(new_layer[1])
   x = rms_norm(x, params["final_norm"], cfg.norm_eps, cfg.norm_backend, lcfg.mesh)
   new_cache = None if cache is None else dataclasses.replace(cache, k=new_k, v=new_v)
-  return x, new_cache, ForwardAux(jnp.stack(k_amax), jnp.stack(v_amax), tuple(router))
+  return x, new_cache, ForwardAux(jnp.stack(k_amax), jnp.stack(v_amax), tuple(router),
+                                  tuple(stream) if residuals else ())
 
 
 def logits(params, hidden_BxTxD, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.LinearConfig()):

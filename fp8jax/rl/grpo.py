@@ -14,7 +14,7 @@ Conventions shared by all functions:
   by neutral values *before* any ``exp`` ("double where"), so they contribute neither to the value nor -- as a NaN
   through ``0 * inf`` -- to the gradient.
 * Metrics are masked means over the tokens of *this* call (a microbatch); ``num_tokens`` is returned so the caller
-  can re-weight when it averages metrics over microbatches.
+  can re-weight when it averages metrics over microbatches (``fp8jax.rl.learner.Loss.combine`` does).
 
 The recipe follows NeMo RL's GRPO (leave-one-out baseline, optional leave-one-out std normalization, token-level
 loss, k3 KL to a reference) with DAPO's clip-higher, dynamic sampling and overlong filtering, dual-clip PPO, and the
@@ -23,6 +23,7 @@ importance-sampling corrections used against sampler/trainer mismatch (TIS, ICEP
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,8 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-IS_KINDS = ("none", "token", "tis", "icepop", "seq_mask_tis")
-AGG_KINDS = ("token_mean", "seq_mean")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -197,6 +196,49 @@ def overlong_mask(finish_reason_or_truncated_B, *, truncated_reasons: Sequence[s
 # ------------------------------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class _RatioView:
+  """What an importance-weight kind sees of ``r = exp(train - gen)`` per token (``importance_weights`` builds it)."""
+  raw: jax.Array  # r (B, T); exactly 1 off the mask
+  raw_fin: jax.Array  # r where finite, else 0
+  finite: jax.Array  # isfinite(r)
+  in_bounds: jax.Array  # lo <= r <= hi (all True without bounds)
+  log_ratio: jax.Array  # train - gen on the mask, 0 elsewhere
+  valid: jax.Array  # the mask (bool)
+
+
+def _w_none(v: _RatioView, lo, hi):
+  return jnp.ones_like(v.raw), None
+
+
+def _w_token(v: _RatioView, lo, hi):
+  return v.raw_fin, None
+
+
+def _w_tis(v: _RatioView, lo, hi):
+  return jnp.where(v.finite, jnp.clip(v.raw, lo, hi), 0.0), None
+
+
+def _w_icepop(v: _RatioView, lo, hi):
+  return jnp.where(v.finite & v.in_bounds, v.raw, 0.0), None
+
+
+def _w_seq_mask_tis(v: _RatioView, lo, hi):
+  n_tok_B = jnp.sum(v.valid, axis=1)
+  lr_fin = jnp.where(jnp.isfinite(v.log_ratio), v.log_ratio, 0.0)
+  seq_has_nonfinite_B = jnp.any(v.valid & ~jnp.isfinite(v.log_ratio), axis=1)
+  geo_B = jnp.exp(jnp.sum(jnp.where(v.valid, lr_fin, 0.0), axis=1) / jnp.maximum(n_tok_B, 1))
+  # A sequence with a NaN/inf log-ratio has no meaningful geometric mean: drop it as out of bounds.
+  keep_B = (geo_B >= lo) & (geo_B <= hi) & ~seq_has_nonfinite_B
+  return jnp.where(keep_B[:, None], v.raw_fin, 0.0), ~keep_B & (n_tok_B > 0)
+
+
+# grpo.is_kind -> (ratio view, lo, hi) -> (weights (B, T) before masking, sequences dropped (B,) or None). A new
+# correction is one function here; importance_weights documents each kind.
+IS_WEIGHTS = {"none": _w_none, "token": _w_token, "tis": _w_tis, "icepop": _w_icepop, "seq_mask_tis": _w_seq_mask_tis}
+IS_KINDS = tuple(IS_WEIGHTS)
+
+
 def importance_weights(train_logp_BxT, gen_logp_BxT, mask_BxT, *, kind: str = "none", lo: float | None = None,
                        hi: float | None = None):
   """Off-policy correction weights ``w = pi_train(y) / pi_gen(y)`` per token. Returns ``(w_BxT, metrics)``.
@@ -241,24 +283,9 @@ def importance_weights(train_logp_BxT, gen_logp_BxT, mask_BxT, *, kind: str = "n
   has_bounds = lo is not None and hi is not None
   in_bounds = (raw >= lo) & (raw <= hi) if has_bounds else jnp.ones_like(valid)
 
-  seq_dropped_B = jnp.zeros(raw.shape[0], bool)
-  if kind == "none":
-    w = jnp.ones_like(raw)
-  elif kind == "token":
-    w = raw_fin
-  elif kind == "tis":
-    w = jnp.where(finite, jnp.clip(raw, lo, hi), 0.0)
-  elif kind == "icepop":
-    w = jnp.where(finite & in_bounds, raw, 0.0)
-  else:  # seq_mask_tis
-    n_tok_B = jnp.sum(valid, axis=1)
-    lr_fin = jnp.where(jnp.isfinite(log_ratio), log_ratio, 0.0)
-    seq_has_nonfinite_B = jnp.any(valid & ~jnp.isfinite(log_ratio), axis=1)
-    geo_B = jnp.exp(jnp.sum(jnp.where(valid, lr_fin, 0.0), axis=1) / jnp.maximum(n_tok_B, 1))
-    # A sequence with a NaN/inf log-ratio has no meaningful geometric mean: drop it as out of bounds.
-    keep_B = (geo_B >= lo) & (geo_B <= hi) & ~seq_has_nonfinite_B
-    seq_dropped_B = ~keep_B & (n_tok_B > 0)
-    w = jnp.where(keep_B[:, None], raw_fin, 0.0)
+  w, seq_dropped_B = IS_WEIGHTS[kind](_RatioView(raw, raw_fin, finite, in_bounds, log_ratio, valid), lo, hi)
+  if seq_dropped_B is None:
+    seq_dropped_B = jnp.zeros(raw.shape[0], bool)
 
   nonfinite_zeroed = jnp.sum(valid & ~finite) if kind != "none" else jnp.zeros((), jnp.int32)
   w = jnp.where(valid, w, 1.0)
@@ -306,6 +333,24 @@ def mismatch_metrics(gen_logp_BxT, train_logp_BxT, mask_BxT) -> dict[str, jax.Ar
 # ------------------------------------------------------------------------------------------------------------------
 # Policy loss
 # ------------------------------------------------------------------------------------------------------------------
+
+
+def _token_mean(x_BxT, n_tok_B, *, n_tok, n_seq):
+  """NeMo RL / DAPO's token-level loss: ``sum_{b,t} x / N_tok``."""
+  del n_tok_B, n_seq
+  return jnp.sum(x_BxT) * (1.0 / jnp.maximum(_f32(n_tok), 1.0))
+
+
+def _seq_mean(x_BxT, n_tok_B, *, n_tok, n_seq):
+  """The original GRPO's: per sequence the mean over its tokens, then ``sum_b / N_seq``."""
+  del n_tok
+  return jnp.sum(jnp.sum(x_BxT, axis=1) / jnp.maximum(n_tok_B, 1)) / jnp.maximum(_f32(n_seq), 1.0)
+
+
+# grpo.agg -> (masked per-token values (B, T), tokens per sequence (B,), *, n_tok, n_seq) -> the loss; policy_loss
+# documents each. n_tok / n_seq are the whole batch's counts under gradient accumulation (the microbatches' sum).
+AGGREGATIONS = {"token_mean": _token_mean, "seq_mean": _seq_mean}
+AGG_KINDS = tuple(AGGREGATIONS)
 
 
 def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, *, eps_low: float, eps_high: float,
@@ -395,22 +440,15 @@ def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, *, eps_low: float, eps_
     w = valid.astype(jnp.float32)
   per_tok = jnp.where(valid, w * per_tok, 0.0)
 
-  # 5. Aggregation.
+  # 5. Aggregation (AGGREGATIONS[agg]).
   n_tok_B = jnp.sum(valid, axis=1)
   n_tok = jnp.sum(n_tok_B)
   n_seq = jnp.sum(n_tok_B > 0)
-  if agg == "token_mean":
-    denom = n_tok if global_token_count is None else global_token_count
-    denom = jnp.maximum(_f32(denom), 1.0)
-    scale = 1.0 / denom
-    loss = jnp.sum(per_tok) * scale
-    pg_part = jnp.sum(jnp.where(valid, w * pg, 0.0)) * scale
-  else:
-    denom = n_seq if global_seq_count is None else global_seq_count
-    denom = jnp.maximum(_f32(denom), 1.0)
-    per_seq = jnp.sum(per_tok, axis=1) / jnp.maximum(n_tok_B, 1)
-    loss = jnp.sum(per_seq) / denom
-    pg_part = jnp.sum(jnp.sum(jnp.where(valid, w * pg, 0.0), axis=1) / jnp.maximum(n_tok_B, 1)) / denom
+  reduce = AGGREGATIONS[agg]
+  counts = dict(n_tok=n_tok if global_token_count is None else global_token_count,
+                n_seq=n_seq if global_seq_count is None else global_seq_count)
+  loss = reduce(per_tok, n_tok_B, **counts)
+  pg_part = reduce(jnp.where(valid, w * pg, 0.0), n_tok_B, **counts)
 
   # 6. Metrics (detached).
   sg = jax.lax.stop_gradient

@@ -1,15 +1,16 @@
 """What the GRPO loop needs from a task: the prompt-source interface, and the rules a source must follow.
 
-The loop (``fp8jax.rl.trainer.RLTrainer``) talks to its task only through these members. Two sources implement
-them: the embedded arithmetic task (``trainer._ArithmeticSource``) and local math prompt files
-(``fp8jax.rl.math_source.MathSource``); ``tests/test_tasks.py`` checks both against the rules below.
+The loop (``fp8jax.rl.trainer.RLTrainer``) and its rollout worker talk to their task only through these members.
+Two sources implement them: the embedded arithmetic task (``ArithmeticSource`` below) and local math prompt files
+(``fp8jax.rl.math_source.MathSource``); ``make_source`` picks one by the config's ``task``; ``tests/test_source.py``
+checks both against the rules below.
 
 Rules (what makes a run resumable and its batches independent of who else asked for prompts):
 
 1. ``train_prompts(n, step)`` is a pure function of ``(n, step)`` (and of the source's construction arguments):
    the same arguments give the same prompts, whatever was called before. ``step`` is a *prompt-batch index*, not
    necessarily the RL step: the loop draws batch 0, 1, 2, ... in order (dynamic sampling's refills draw further
-   batches) and saves how many it has drawn in the checkpoint (``meta["prompt_batch"]``), so the data position
+   batches) and saves how many it has drawn in the checkpoint (``TrainState.prompt_batch``), so the data position
    lives in the checkpoint, not in the source. Calibration or any other extra call does not move it.
 2. ``validation(n)`` returns the same first ``n`` held-out prompts every time; they never appear in training
    batches.
@@ -61,3 +62,65 @@ class PromptSource(Protocol):
   def load_state(self, meta: dict) -> None:
     """Checks a checkpoint's ``state()`` against this source; raises naming what differs."""
     ...
+
+
+class ArithmeticSource:
+  """The embedded arithmetic task (tokenized prompts, exact-match reward) as a ``PromptSource``.
+
+  Batch ``step`` is ``ArithmeticTask.sample(n, step=step)``: a stream keyed by (seed, step), pure in ``step``.
+  """
+
+  def __init__(self, config):
+    from fp8jax.rl import tasks  # noqa: PLC0415
+
+    a = config.arithmetic
+    self.task = tasks.ArithmeticTask(seed=int(config.seed), difficulty=a.difficulty, num_val=a.num_val)
+    self.tok = self.task.tokenizer
+    self.pad_id = self.tok.pad_id
+    self.eos_id = self.tok.eos_id
+    self.eos_ids = (self.tok.eos_id,)
+
+  def _encode(self, prompts):
+    return [self.tok.encode(p, add_bos=True) for p in prompts]
+
+  def train_prompts(self, n, step):
+    prompts, answers = self.task.sample(n, step=step)
+    return self._encode(prompts), answers
+
+  def validation(self, n):
+    prompts, answers = self.task.validation()
+    return self._encode(prompts[:n]), answers[:n]
+
+  def supervised_examples(self, n, step, seq_len):
+    return self.task.supervised_examples(n, step=step, seq_len=seq_len)
+
+  def _decode(self, ids):
+    # The model's vocabulary is padded to a multiple of 128; ids the tokenizer lacks decode as '?' (reward 0).
+    v = self.tok.vocab_size
+    return "".join(self.tok.decode([i]) if i < v else "?" for i in ids)
+
+  def score(self, ro, answers):
+    texts = [self._decode(ro.tokens[i, :ro.lengths[i]]) for i in range(len(answers))]
+    return np.array([self.task.reward(t, a) for t, a in zip(texts, answers)], np.float32)
+
+  def state(self):
+    return {"task": self.task.state()}
+
+  def load_state(self, meta):
+    self.task.load_state(meta["task"])
+
+
+def make_source(config, vocab_size: int) -> PromptSource:
+  """The config's ``task``: "arithmetic" (embedded) or "math" (prompt files, math-verify rewards)."""
+  if config.task == "arithmetic":
+    src = ArithmeticSource(config)
+    if src.tok.vocab_size > vocab_size:
+      raise ValueError(f"model.vocab_size={vocab_size} < the arithmetic tokenizer's {src.tok.vocab_size}")
+  elif config.task == "math":
+    from fp8jax.rl.math_source import MathSource  # noqa: PLC0415
+
+    src = MathSource(config)
+  else:
+    raise ValueError(f"task={config.task!r} is not 'arithmetic' or 'math'")
+  assert isinstance(src, PromptSource), type(src)
+  return src
