@@ -3,6 +3,9 @@
   .venv/bin/python scripts/parity.py --smoke                       # one seed, 3 small steps, every arm: minutes on CPU
   .venv/bin/python scripts/parity.py --seeds=3 --steps=200         # the table: docs/results/parity.json + .png
   .venv/bin/python scripts/parity.py --arms=bf16,fp8,fp8_rollout_tis --difficulty=6 --config.model.n_layers=4
+  .venv/bin/python scripts/parity.py --warm_start_only; for a in bf16 fp8 ...; do for s in 0 1 2; do  # in parallel
+    .venv/bin/python scripts/parity.py --arms=$a --seeds=1 --first_seed=$s --out=runs/parity/$a$s.json & done; done
+  wait; .venv/bin/python scripts/parity.py --table_only    # reads the finished runs, writes the table
 
 Thin entry point over ``fp8jax.rl.parity``: one BF16 warm start (trained once, checkpointed under
 ``--workdir``/warmstart and reused by later invocations with the same settings), then every arm x seed from it, each
@@ -27,6 +30,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_fp8.py", "Base
                                           lock_config=True)
 _ARMS = flags.DEFINE_list("arms", list(parity.ARMS), f"Arms to run, of {list(parity.ARMS)}.")
 _SEEDS = flags.DEFINE_integer("seeds", None, "RL seeds per arm (rollout.seed = 0..N-1); default 3, --smoke 1.")
+_FIRST_SEED = flags.DEFINE_integer("first_seed", 0, "The first RL seed: runs seeds first_seed .. first_seed + "
+                                   "seeds - 1 (one seed per process, for parallel runs).")
 _STEPS = flags.DEFINE_integer("steps", None, "RL steps per run; default the config's train.steps, --smoke "
                               f"{parity.SMOKE_STEPS}.")
 _VAL_EVERY = flags.DEFINE_integer("val_every", None, "Validate every N RL steps (and at the last); default the "
@@ -39,6 +44,11 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Runs and the warm start (defaul
                                "runs/parity_smoke).")
 _OUT = flags.DEFINE_string("out", None, "JSON table (default docs/results/parity.json; --smoke: in --workdir).")
 _PNG = flags.DEFINE_string("png", None, "PNG of the validation curves (default: --out with .png).")
+_WARM_ONLY = flags.DEFINE_bool("warm_start_only", False, "Train (or find) the shared warm start in --workdir and "
+                                "exit. Arms can then run in parallel processes (--arms=<one>), and a last invocation "
+                                "over all arms writes the table from the finished runs.")
+_TABLE_ONLY = flags.DEFINE_bool("table_only", False, "Train nothing: write the table from the finished runs in "
+                                 "--workdir (e.g. run in parallel processes); an unfinished run is an error.")
 _CACHE = flags.DEFINE_bool("compile_cache", None, "XLA's persistent compilation cache in --workdir/xla_cache, so "
                            "arms with the same programs compile once (default: off; XLA:CPU segfaulted with it on "
                            "in MoE train-step compiles: tests/conftest.py).")
@@ -65,8 +75,13 @@ def main(argv):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   logging.set_verbosity(logging.WARNING)
+  if _WARM_ONLY.value:
+    _, info = parity.warm_start(c, os.path.join(workdir, "warmstart"))
+    print(f"warm start in {os.path.join(workdir, 'warmstart')}: greedy validation accuracy {info['val_accuracy']:.3f}")
+    return
   result = parity.run_parity(c, arms=parity.check_arms(_ARMS.value), seeds=seeds, steps=steps, val_every=val_every,
-                             workdir=workdir, out_json=out, out_png=png, command=" ".join(sys.argv))
+                             workdir=workdir, out_json=out, out_png=png, command=" ".join(sys.argv),
+                             first_seed=_FIRST_SEED.value, table_only=_TABLE_ONLY.value)
   print()
   print(parity.format_table(result))
   print(f"\ntable: {out}  curves: {png}")

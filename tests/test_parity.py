@@ -148,3 +148,15 @@ def test_parity_smoke_runs_the_script_and_writes_json_and_png(tmp_path):
   png = tmp_path / "parity.png"
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert result["provenance"]["command"].startswith(cmd[1])
+
+  # --table_only (runs made in parallel processes, docs/parity.md): the same table from the finished runs, training
+  # nothing; a seed that was never run is named, not skipped
+  table = tmp_path / "table.json"
+  res = subprocess.run(cmd[:-1] + [f"--out={table}", "--table_only"], capture_output=True, text=True, cwd=REPO,
+                       timeout=300)
+  assert res.returncode == 0, res.stderr[-3000:]
+  again = json.loads(table.read_text())
+  assert {n: a["summary"] for n, a in again["arms"].items()} == {n: a["summary"] for n, a in result["arms"].items()}
+  res = subprocess.run(cmd[:-1] + [f"--out={table}", "--table_only", "--first_seed=1"], capture_output=True,
+                       text=True, cwd=REPO, timeout=300)
+  assert res.returncode != 0 and "bf16/seed1/metrics.jsonl: the run has not finished 2 RL steps" in res.stderr

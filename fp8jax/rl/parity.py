@@ -95,6 +95,22 @@ def _warm_key(c) -> dict:
                                 "seq_len": int(c.rollout.max_len)}))
 
 
+def stored_warm_info(base, directory: str, required: bool = True) -> dict | None:
+  """The stored warm start's info (its validation accuracy, ...), None if there is none and not ``required``; one
+  made with other settings (``_warm_key``) raises, naming the directory."""
+  key = _warm_key(override(base, {**ARMS["bf16"], "train.steps": 0}))
+  ckpt = Checkpointer(os.path.join(directory, "params"), keep=1)
+  if ckpt.latest_step() is None:
+    if required:
+      raise FileNotFoundError(f"no warm start in {directory}: run scripts/parity.py without --table_only first")
+    return None
+  meta = ckpt.read_meta(0)
+  if meta["key"] != key:
+    raise ValueError(f"the warm start in {directory} was made with other settings ({meta['key']}, now {key}): "
+                     f"use another --workdir, or delete {directory}")
+  return meta["info"]
+
+
 def warm_start(base, directory: str) -> tuple[dict, dict]:
   """The BF16 supervised warm start of ``base``, trained once and checkpointed in ``directory``; returns
   ``(master params, info)``. A checkpoint made with other settings (``_warm_key``) raises, naming the directory."""
@@ -102,11 +118,7 @@ def warm_start(base, directory: str) -> tuple[dict, dict]:
   key = _warm_key(c)
   tr = trainer_lib.RLTrainer(c, os.path.join(directory, "trainer"))
   ckpt = Checkpointer(os.path.join(directory, "params"), keep=1)
-  if ckpt.latest_step() is not None:
-    meta = ckpt.read_meta(0)
-    if meta["key"] != key:
-      raise ValueError(f"the warm start in {directory} was made with other settings ({meta['key']}, now {key}): "
-                       f"use another --workdir, or delete {directory}")
+  if stored_warm_info(base, directory, required=False) is not None:
     params, meta = ckpt.restore(0, tr.state.params)
     return params, meta["info"]
   ws = tr.warmstart()
@@ -211,15 +223,23 @@ def provenance(command: str) -> dict:
 
 
 def run_parity(base, *, arms, seeds: int, steps: int, val_every: int, workdir: str, out_json: str, out_png: str,
-               command: str = "", progress: bool = False, echo=print) -> dict:
-  """Warm start once, then every (arm, seed) run from it; writes ``out_json`` and ``out_png``; returns the result."""
+               command: str = "", progress: bool = False, echo=print, first_seed: int = 0,
+               table_only: bool = False) -> dict:
+  """Warm start once, then every (arm, seed) run from it (seeds ``first_seed .. first_seed + seeds - 1``); writes
+  ``out_json`` and ``out_png``; returns the result. ``table_only``: trains nothing, reads the finished runs (e.g.
+  run in parallel processes) and raises naming the first that is missing or unfinished."""
   arms = check_arms(arms)
   if seeds < 1:
     raise ValueError(f"--seeds={seeds} must be >= 1")
+  if first_seed < 0:
+    raise ValueError(f"--first_seed={first_seed} must be >= 0")
   if steps < 1:
     raise ValueError(f"--steps={steps} must be >= 1")
-  warm_params, warm_info = warm_start(base, os.path.join(workdir, "warmstart"))
-  warm_np = jax.tree.map(np.asarray, warm_params)
+  if table_only:
+    warm_info = stored_warm_info(base, os.path.join(workdir, "warmstart"))
+  else:
+    warm_params, warm_info = warm_start(base, os.path.join(workdir, "warmstart"))
+    warm_np = jax.tree.map(np.asarray, warm_params)
   echo(f"warm start (BF16, {base.warmstart.steps} steps): greedy validation accuracy {warm_info['val_accuracy']:.3f}")
   result = {"provenance": provenance(command), "warmstart": warm_info, "steps": steps, "seeds": seeds,
             "base": {"difficulty": base.arithmetic.difficulty if base.task == "arithmetic" else None,
@@ -227,13 +247,17 @@ def run_parity(base, *, arms, seeds: int, steps: int, val_every: int, workdir: s
             "arms": {}}
   for arm in arms:
     runs = []
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
       wd = os.path.join(workdir, arm, f"seed{seed}")
-      c = arm_config(base, arm, seed, steps, val_every, wd)
-      tr = trainer_lib.RLTrainer(c, wd)
-      tr.load_pretrained(warm_np)
-      tr.run(progress=progress)
-      run = {"seed": seed, "workdir": wd, **summarize_run(read_jsonl(os.path.join(wd, "metrics.jsonl")))}
+      if not table_only:
+        tr = trainer_lib.RLTrainer(arm_config(base, arm, seed, steps, val_every, wd), wd)
+        tr.load_pretrained(warm_np)
+        tr.run(progress=progress)
+      path = os.path.join(wd, "metrics.jsonl")
+      rows = read_jsonl(path) if os.path.exists(path) else []
+      if table_only and max((r["step"] for r in rows), default=-1) < steps:
+        raise FileNotFoundError(f"{path}: the run has not finished {steps} RL steps (run it without --table_only)")
+      run = {"seed": seed, "workdir": wd, **summarize_run(rows)}
       runs.append(run)
       echo(f"{arm} seed {seed}: validation {run['start_val_accuracy']} -> {run['final_val_accuracy']} "
            f"(best {run['best_val_accuracy']}), token_mult_prob_error {run['token_mult_prob_error']}")
