@@ -16,6 +16,18 @@ def load_config_file(path: str):
   return mod.get_config()
 
 
+def smoke_shape(c, layers: int, slots: int = 128):
+  """A recipe config at its full width but ``layers`` deep, in the GRPO smoke's shape (docs/benchmarks.md: 16 prompts
+  x 8 samples of the embedded arithmetic task, 64-token sequences, 16 new tokens, microbatch 32; KL off): what
+  scripts/check_loop_exactness.py and scripts/bench_grpo_step.py build from a config file, random weights."""
+  with c.unlocked():
+    c.task = "arithmetic"
+    c.model.n_layers = layers
+    c.grpo.num_prompts, c.grpo.num_generations, c.grpo.microbatch, c.grpo.kl_beta = 16, 8, 32, 0.0
+    c.rollout.slots, c.rollout.max_len, c.rollout.max_new_tokens, c.rollout.prompt_buckets = slots, 64, 16, (16,)
+  return c
+
+
 def dataclass_from_group(cls, group: Any, name: str):
   """``cls(**group)``; lists become tuples (hashable, for jit statics); an unknown key raises naming ``name.key``."""
   d = dict(group)

@@ -31,19 +31,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fp8jax.config_utils import load_config_file  # noqa: E402
+from fp8jax.config_utils import load_config_file, smoke_shape  # noqa: E402
 from fp8jax.rl import rollout  # noqa: E402
 from fp8jax.rl.trainer import RLTrainer  # noqa: E402
 
 
 def load_config(path, a):
-  c = load_config_file(path)
-  with c.unlocked():
-    c.task = "arithmetic"
-    c.model.n_layers = a.layers
-    c.grpo.num_prompts, c.grpo.num_generations, c.grpo.microbatch, c.grpo.kl_beta = 16, 8, 32, 0.0
-    c.rollout.slots, c.rollout.max_len, c.rollout.max_new_tokens, c.rollout.prompt_buckets = a.slots, 64, 16, (16,)
-    if a.kv_cache:
+  c = smoke_shape(load_config_file(path), a.layers, a.slots)
+  if a.kv_cache:
+    with c.unlocked():
       c.fp8.kv_cache = a.kv_cache
   return c
 

@@ -1,0 +1,88 @@
+"""GRPO step time at a recipe's full width and a reduced depth: several recipes side by side in one process.
+
+  python scripts/bench_grpo_step.py --configs configs/qwen3_30b_a3b_fp8.py,configs/qwen3_30b_a3b_bf16.py \
+      --layers 2 --steps 5 --out docs/results/moe_grpo_step_h200.json
+
+Each config is built at the GRPO smoke's shape (``config_utils.smoke_shape``: random weights, 16 prompts x 8 samples
+of the embedded arithmetic task, 64-token sequences, 16 new tokens, microbatch 32, KL off) and runs ``--steps`` RL
+steps through ``RLTrainer.step`` (refit/requantization, rollout, rewards, batch, the learner's passes and update; no
+validation or checkpoint). Step 1 compiles; the table reports the median of the later steps (step, rollout, train,
+requantization seconds), generated tokens/s, token_mult_prob_error (sampler vs trainer) and the process's peak
+device memory so far (the first config's is its own; a later one's includes the earlier), then each recipe's step
+time divided by the first config's (> 1: slower than the first). Rewards are 0 (random weights): this measures the machinery,
+not learning.
+"""
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fp8jax  # noqa: E402,F401  (before jax: XLA flags)
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from fp8jax.config_utils import load_config_file, smoke_shape  # noqa: E402
+from fp8jax.rl.trainer import RLTrainer  # noqa: E402
+
+KEYS = ("step_s", "rollout_s", "train_s", "requant_s", "gen_tokens_per_s", "token_mult_prob_error")
+
+
+def peak_gib() -> float | None:
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
+
+
+def run_config(path: str, a) -> dict:
+  c = smoke_shape(load_config_file(path), a.layers, a.slots)
+  t0 = time.perf_counter()
+  tr = RLTrainer(c, tempfile.mkdtemp())
+  rows = []
+  for step in range(a.steps):
+    m = tr.step(step)
+    rows.append({k: float(m[k]) for k in KEYS if k in m})
+    print(json.dumps({"config": path, "step": step + 1, **rows[-1]}), flush=True)
+  steady = rows[1:] or rows
+  out = {"config": path, "mode": c.fp8.mode, "kv_cache": c.fp8.kv_cache, "build_and_run_s": time.perf_counter() - t0,
+         "rows": rows, "median": {k: float(np.median([r[k] for r in steady if k in r])) for k in KEYS},
+         "peak_gib": peak_gib()}
+  del tr
+  gc.collect()
+  jax.clear_caches()
+  return out
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--configs", required=True, help="comma-separated configs/*.py; ratios are relative to the first")
+  ap.add_argument("--layers", type=int, default=2)
+  ap.add_argument("--steps", type=int, default=5)
+  ap.add_argument("--slots", type=int, default=128)
+  ap.add_argument("--out", default="")
+  a = ap.parse_args()
+  if a.steps < 2:
+    ap.error(f"--steps={a.steps}: at least 2 (step 1 compiles and is not in the medians)")
+  results = [run_config(p, a) for p in a.configs.split(",")]
+  base = results[0]["median"]["step_s"]
+  print("\n| config | mode | KV | step s | rollout s | train s | requant s | gen tok/s | token_mult_prob_error "
+        "| peak GiB so far | step s / first's |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  for r in results:
+    m = r["median"]
+    print(f"| {os.path.basename(r['config'])} | {r['mode']} | {r['kv_cache']} | {m['step_s']:.3f} | "
+          f"{m['rollout_s']:.3f} | {m['train_s']:.3f} | {m['requant_s']:.3f} | {m['gen_tokens_per_s']:.0f} | "
+          f"{m['token_mult_prob_error']:.6f} | {r['peak_gib'] or float('nan'):.1f} | {m['step_s'] / base:.2f} |")
+  if a.out:
+    dev = jax.devices()[0]
+    with open(a.out, "w") as f:
+      json.dump({"device": getattr(dev, "device_kind", dev.platform), "jax": jax.__version__, "args": vars(a),
+                 "xla_flags": os.environ.get("XLA_FLAGS", ""), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
