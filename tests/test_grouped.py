@@ -218,7 +218,9 @@ def test_grouped_kernel_on_pallas_matches_reference(monkeypatch, kind):
   sizes = jnp.asarray(SIZES, jnp.int32)
   xla, pallas = ops.LinearConfig(pow2_scales=True, backend="xla"), ops.LinearConfig(pow2_scales=True)
   wq = WRAP[kind](w)
-  run = lambda cfg: (lambda y, vjp: (y, vjp(dy)[0]))(*jax.vjp(lambda x: ops.grouped_linear(x, wq, sizes, cfg), x))
+  # jitted: op by op, the interpreted kernel and the quantizers around it ran for 25+ min on 2 cores (CI, 2026-12-02)
+  run = lambda cfg: jax.jit(lambda x, dy: (lambda y, vjp: (y, vjp(dy)[0]))(
+      *jax.vjp(lambda x: ops.grouped_linear(x, wq, sizes, cfg), x)))(x, dy)
   y_ref, dx_ref = run(xla)
   calls = []
 
