@@ -224,7 +224,7 @@ def test_gradients_reach_mla_and_experts_not_the_bias(models):
 def test_weight_decay_leaves_the_router_bias_alone(models):
   """The router bias is a buffer (zero gradient, above): AdamW's decay must not shrink it either. schema.decay_mask
   excludes it; a dense model needs no mask at all."""
-  from fp8jax.rl import trainer as trainer_lib  # noqa: PLC0415
+  from fp8jax.rl import learner  # noqa: PLC0415
 
   _, _, cfg, params = models["qlora_yarn_moe"]
   mask = schema.decay_mask(cfg)
@@ -233,11 +233,11 @@ def test_weight_decay_leaves_the_router_bias_alone(models):
                                        ffn_dim=256)) is None
   grads = jax.tree.map(jnp.ones_like, params)
   grads["layers"][1]["router_bias"] = jnp.zeros_like(params["layers"][1]["router_bias"])
-  oc = trainer_lib.OptimConfig(lr=1e-2, weight_decay=0.1)
+  oc = learner.OptimConfig(lr=1e-2, weight_decay=0.1)
   bias = params["layers"][1]["router_bias"]
   assert np.abs(np.asarray(bias)).max() > 0  # the imported checkpoint's bias, not zeros
   for m, kept in ((mask, True), (None, False)):
-    tx, _ = trainer_lib.make_optimizer(oc, 10, m)
+    tx, _ = learner.make_optimizer(oc, 10, m)
     new = optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
     assert np.array_equal(np.asarray(new["layers"][1]["router_bias"]), np.asarray(bias)) == kept
     assert not np.array_equal(np.asarray(new["layers"][1]["router"]), np.asarray(params["layers"][1]["router"]))
