@@ -80,6 +80,15 @@ def _route_sigmoid(p, x_MxD, cfg: ModelConfig, lcfg: ops.LinearConfig):
   return w, top_i.astype(jnp.int32), scores / jnp.sum(scores, axis=-1, keepdims=True)
 
 
+def _sum_slots(y_MxkxD):
+  """The k slots of each token added in slot order, as elementwise adds: a reduce's order may follow the shape (seen:
+  decode != training), and a scatter-add's is not fixed at all."""
+  out = y_MxkxD[:, 0]
+  for slot in range(1, y_MxkxD.shape[1]):
+    out = out + y_MxkxD[:, slot]
+  return out
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _dispatch(x_MxD, row_A, p: int, k: int):
   """Token rows -> the (p, D) tile buffer: assignment a = token * k + slot of token ``a // k`` goes to buffer row
@@ -96,10 +105,7 @@ def _dispatch_fwd(x_MxD, row_A, p, k):
 def _dispatch_bwd(p, k, res, ct_PxD):
   row_A, tag = res
   per_slot = jnp.take(ct_PxD, row_A, axis=0).astype(jnp.float32).reshape(-1, k, ct_PxD.shape[1])
-  dx = per_slot[:, 0]
-  for slot in range(1, k):
-    dx = dx + per_slot[:, slot]
-  return dx.astype(tag.dtype), None
+  return _sum_slots(per_slot).astype(tag.dtype), None
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
@@ -128,10 +134,7 @@ def moe(p, x_BxTxD, cfg: ModelConfig, lcfg: ops.LinearConfig, mask_BxT=None):
   # exact for the softmax router's BF16 weights (BF16 x BF16 fits FP32); the sigmoid router's are FP32 already
   y = grouped_ref.from_tiles(ys, row_A).reshape(b * t, k, d).astype(jnp.float32) * weights_Mxk.astype(
       jnp.float32)[..., None]
-  out = y[:, 0]
-  for slot in range(1, k):  # adds in a fixed order: a reduce's order may follow the shape (seen: decode != training)
-    out = out + y[:, slot]
-  out = out.astype(x.dtype).reshape(b, t, d)
+  out = _sum_slots(y).astype(x.dtype).reshape(b, t, d)
   if cfg.n_shared_experts:
     out = out + mlp(p, x_BxTxD, lcfg, prefix="shared_")
 
