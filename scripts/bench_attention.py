@@ -134,20 +134,28 @@ def _copy_bandwidth():
   return 2 * x.nbytes / ms / 1e6  # GB/s, read + write
 
 
-def decode_rows(slots=256, max_len=1536, mean_ctx=1024):
+def decode_operands(fp8: bool, slots=256, max_len=1536, mean_ctx=1024, key=None):
+  """One layer's decode launch: queries (slots, H, D), a random K/V cache (FP8 values x30 with scale 1/30, or BF16),
+  each slot's position drawn around ``mean_ctx`` (the same positions for every call) -> (q, ck, cv, pos, kv scale,
+  live K/V bytes a length-aware kernel reads)."""
   rng = np.random.default_rng(0)
   pos = jnp.asarray(np.clip(rng.integers(mean_ctx // 2, mean_ctx * 3 // 2, slots), 0, max_len - 1), jnp.int32)
+  k1, k2, k3 = jax.random.split(jax.random.key(fp8) if key is None else key, 3)
+  dt, amp = (jnp.float8_e4m3fn, 30.0) if fp8 else (jnp.bfloat16, 1.0)
+  ck, cv = ((jax.random.normal(k, (slots, max_len, KV, D), jnp.float32) * amp).astype(dt) for k in (k1, k2))
+  q = jax.random.normal(k3, (slots, H, D), jnp.bfloat16)
+  live = float(np.sum(np.asarray(pos) + 1)) * KV * D * 2 * jnp.dtype(dt).itemsize
+  return q, ck, cv, pos, jnp.float32(1 / amp), live
+
+
+def decode_rows(slots=256, max_len=1536, mean_ctx=1024):
   bw = _copy_bandwidth()
   log(f"device copy bandwidth: {bw:.0f} GB/s")
   rows = []
   for fp8 in (True, False):
-    k1, k2, k3 = jax.random.split(jax.random.key(fp8), 3)
-    dt = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
-    ck = (jax.random.normal(k1, (slots, max_len, KV, D), jnp.float32) * (30 if fp8 else 1)).astype(dt)
-    cv = (jax.random.normal(k2, (slots, max_len, KV, D), jnp.float32) * (30 if fp8 else 1)).astype(dt)
-    q = jax.random.normal(k3, (slots, H, D), jnp.bfloat16)
-    ks = vs = jnp.float32(1 / 30 if fp8 else 1.0)
-    live = float(np.sum(np.asarray(pos) + 1)) * KV * D * 2 * jnp.dtype(dt).itemsize + 2 * q.size * 2
+    q, ck, cv, pos, ks, live = decode_operands(fp8, slots, max_len, mean_ctx)
+    vs = ks
+    live += 2 * q.size * 2
     ours = lambda q, ck, cv, p: attn.attend(q[:, None], ck, cv, p[:, None], k_scale=ks, v_scale=vs,  # noqa: E731
                                            backend="pallas")[:, 0]
     old = lambda q, ck, cv, p: _old_xla_decode(q, ck, cv, p, ks, vs)  # noqa: E731
@@ -295,14 +303,7 @@ def sweep_rows(which="tiles", b=8, t=4096, slots=256, max_len=1536, mean_ctx=102
   pos = jnp.broadcast_to(jnp.arange(t), (b, t))
   qs, vsc = attn._scales(D, None, None)
   fwd_flops = 4 * b * H * t * t * D / 2
-  rng = np.random.default_rng(0)
-  dpos = jnp.asarray(np.clip(rng.integers(mean_ctx // 2, mean_ctx * 3 // 2, slots), 0, max_len - 1), jnp.int32)
-  dq_ = jax.random.normal(jax.random.key(5), (slots, H, D), jnp.bfloat16)
-  caches = {}
-  for fp8 in (True, False):
-    dt = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
-    caches[fp8] = [(jax.random.normal(jax.random.key(10 + i + fp8), (slots, max_len, KV, D), jnp.float32)
-                    * (30 if fp8 else 1)).astype(dt) for i in range(2)]
+  caches = {fp8: decode_operands(fp8, slots, max_len, mean_ctx, key=jax.random.key(10 + fp8)) for fp8 in (True, False)}
   rows = []
   for kind, cfgs in (("fwd", fwd_cfgs), ("bwd", bwd_cfgs)):
     for cfg in cfgs:
@@ -312,8 +313,7 @@ def sweep_rows(which="tiles", b=8, t=4096, slots=256, max_len=1536, mean_ctx=102
           ms, _ = jax_time_ms(lambda q, k, v, c=cfg: kern.attention_seq(q, k, v, pos, qs, vsc, config=c)[0],
                               [(q, k, v)])
           row.update(fwd_ms=ms, fwd_tflops=fwd_flops / ms / 1e9)
-          for fp8, (ck, cv) in caches.items():
-            live = float(np.sum(np.asarray(dpos) + 1)) * KV * D * 2 * jnp.dtype(ck.dtype).itemsize
+          for fp8, (dq_, ck, cv, dpos, _, live) in caches.items():
             ms, _ = jax_time_ms(lambda q, ck, cv, p, c=cfg: kern.attention_heads(q, ck, cv, p, qs, vsc, config=c),
                                 [(dq_, ck, cv, dpos)], iters=10)
             row["decode_fp8_us" if fp8 else "decode_bf16_us"] = ms * 1e3

@@ -19,15 +19,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_attention's operands
 
 import fp8jax  # noqa: E402,F401  (XLA flags first)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
+from bench_attention import decode_operands  # noqa: E402
 from fp8jax import attention as attn  # noqa: E402
-
-H, KV, D = 32, 8, 128
 
 
 def main():
@@ -38,17 +37,7 @@ def main():
   p.add_argument("--mean_ctx", type=int, default=1024)
   p.add_argument("--iters", type=int, default=3)
   a = p.parse_args()
-  fp8 = a.kv == "fp8"
-  rng = np.random.default_rng(0)
-  pos = jnp.asarray(np.clip(rng.integers(a.mean_ctx // 2, a.mean_ctx * 3 // 2, a.slots), 0, a.max_len - 1),
-                    jnp.int32)
-  k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
-  dt = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
-  amp = 30.0 if fp8 else 1.0
-  ck = (jax.random.normal(k1, (a.slots, a.max_len, KV, D), jnp.float32) * amp).astype(dt)
-  cv = (jax.random.normal(k2, (a.slots, a.max_len, KV, D), jnp.float32) * amp).astype(dt)
-  q = jax.random.normal(k3, (a.slots, H, D), jnp.bfloat16)
-  scale = jnp.float32(1 / amp)
+  q, ck, cv, pos, scale, live = decode_operands(a.kv == "fp8", a.slots, a.max_len, a.mean_ctx, key=jax.random.key(1))
 
   @jax.jit
   def step(q, ck, cv, pos):
@@ -59,7 +48,6 @@ def main():
     t0 = time.perf_counter()
     out = step(q, ck, cv, pos).block_until_ready()
     times.append(time.perf_counter() - t0)
-  live = float(np.sum(np.asarray(pos) + 1)) * KV * D * 2 * jnp.dtype(dt).itemsize
   ms = statistics.median(times[1:] or times) * 1e3
   print(f"decode {a.kv}: {ms:.3f} ms per launch (wall, synchronized), live K/V {live / 1e9:.3f} GB, "
         f"finite {bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))}", flush=True)
