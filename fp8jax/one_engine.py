@@ -93,11 +93,12 @@ def _spies():
   first = lambda out: out[0]  # noqa: E731
   targets = [(llama, "rms_norm", "norm", None), (gqa, "attention", "attention", first),
              (mla, "attention", "attention", first), (llama, "mlp", "mlp", None),
+             (llama, "moe", "moe", first), (llama, "moe", "moe experts", lambda out: out[1].expert_ids_BxTxK),
              (llama, "decoder_layer", "residual", first)]
   saved = [(mod, n, getattr(mod, n)) for mod, n, _, _ in targets]
   try:
-    for (mod, n, label, pick), (_, _, fn) in zip(targets, saved):
-      setattr(mod, n, _spy(label, fn, pick or (lambda out: out)))
+    for mod, n, label, pick in targets:  # a block listed twice is wrapped twice (both outputs captured)
+      setattr(mod, n, _spy(label, getattr(mod, n), pick or (lambda out: out)))
     yield
   finally:
     for mod, n, fn in saved:

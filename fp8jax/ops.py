@@ -16,8 +16,9 @@ type of ``w`` (chosen by the recipe in ``fp8jax.quant``), never on who calls it:
 ``grouped_linear(x, w, group_sizes, cfg)`` is the mixture-of-experts form (rows sorted by group, w stacked (E, N, K),
 same three modes); each group's results are bitwise ``linear`` on its rows alone. ``grouped_linear_tiles`` is the
 same op on rows already in the grouped GEMM's tile layout (the MoE block keeps them there). On "pallas" the forward
-and dgrad run the grouped Hopper kernel (``fp8_gemm_mgpu.grouped_fp8_gemm_tiles``); the wgrad runs the exact
-reference everywhere.
+and dgrad run the grouped Hopper kernel (``fp8_gemm_mgpu.grouped_fp8_gemm_tiles``, in BF16 mode
+``grouped_bf16_gemm_tiles``); the FP8 wgrad runs the exact reference everywhere, the BF16 wgrad on "pallas" a
+per-tile loop of XLA dots.
 
 Outputs are ``cfg.out_dtype`` (BF16 by default). The GEMMs run on a backend: "xla" is the exact block-math
 reference in ``pallas_kernels.fp8_gemm`` (every kernel is tested against it); "pallas" is the Hopper kernel, with
@@ -114,6 +115,11 @@ def _pallas_grouped_gemm():
 def _pallas_bf16_gemm():
   from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415 (imports Mosaic GPU only when asked for)
   return fp8_gemm_mgpu.bf16_gemm
+
+
+def _pallas_grouped_bf16_gemm():
+  from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415 (imports Mosaic GPU only when asked for)
+  return fp8_gemm_mgpu.grouped_bf16_gemm_tiles
 
 
 def _kernel_probe(*loaders):
@@ -521,11 +527,25 @@ def _grouped_frozen_bwd(cfg, res, dy_PxN):
 _grouped_fp8_frozen.defvjp(_grouped_frozen_fwd, _grouped_frozen_bwd)
 
 
+def _grouped_bf16_gemm(a_PxK, b_ExNxK, tile_expert_T, cfg: LinearConfig):
+  """BF16 grouped ``a . b_e^T`` per tile -> (P, N) FP32: the grouped Hopper kernel in BF16 mode on "pallas" (N and K
+  zero-padded to 128 as ``_bf16_gemm`` does; each group's rows bitwise the dense kernel's), else
+  ``dot_tiles_reference`` (each group's rows bitwise ``invariant_dot``)."""
+  if resolve_bf16_backend(cfg.backend) == "pallas":
+    n = b_ExNxK.shape[1]
+    out = _pallas_grouped_bf16_gemm()(quant.pad_k(a_PxK), quant.pad_k(quant.pad_k(b_ExNxK), -2), tile_expert_T,
+                                      out_dtype=jnp.float32)
+    return out[:, :n] if out.shape[1] != n else out
+  return grouped_ref.dot_tiles_reference(a_PxK, b_ExNxK, tile_expert_T)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _grouped_bf16(x_PxK, w_ExNxK, tile_expert_T, cfg: LinearConfig):
-  """BF16 mode. A custom VJP (not autodiff of the tile loop, which would sum each expert's per-tile dw in BF16) whose
-  dx and dw are, per group, bitwise the dense BF16 ``linear``'s autodiff."""
-  y = grouped_ref.dot_tiles_reference(x_PxK.astype(jnp.bfloat16), w_ExNxK.astype(jnp.bfloat16), tile_expert_T)
+  """BF16 mode. A custom VJP (not autodiff of the tile loop, which would sum each expert's per-tile dw in BF16). On
+  "xla" dx and dw are, per group, bitwise the dense BF16 ``linear``'s autodiff; on "pallas" the forward and dx run
+  the grouped kernel (per group bitwise the dense kernel's rows) and dw adds each tile's FP32 product in tile order
+  (``grouped_gemm.dot_tiles_wgrad_by_tile``: one dense wgrad's work, where the reference's costs E)."""
+  y = _grouped_bf16_gemm(x_PxK.astype(jnp.bfloat16), w_ExNxK.astype(jnp.bfloat16), tile_expert_T, cfg)
   return y.astype(cfg.out_dtype)
 
 
@@ -536,8 +556,14 @@ def _grouped_bf16_fwd(x_PxK, w_ExNxK, tile_expert_T, cfg):
 def _grouped_bf16_bwd(cfg, res, dy_PxN):
   x_PxK, w_ExNxK, tile_expert_T = res
   ct = dy_PxN.astype(jnp.float32)  # the cotangent of the FP32 dot, as in linear's autodiff
-  dx = grouped_ref.dot_tiles_dgrad(ct, w_ExNxK.astype(jnp.bfloat16), tile_expert_T)
-  dw = grouped_ref.dot_tiles_wgrad(ct, x_PxK.astype(jnp.bfloat16), tile_expert_T, w_ExNxK.shape[0])
+  xb, wb = x_PxK.astype(jnp.bfloat16), w_ExNxK.astype(jnp.bfloat16)
+  if resolve_bf16_backend(cfg.backend) == "pallas":
+    # dy in BF16 for the tensor cores, as the dense kernel's VJP (exact: the forward's output is BF16)
+    dx = _grouped_bf16_gemm(ct.astype(jnp.bfloat16), jnp.swapaxes(wb, 1, 2), tile_expert_T, cfg)
+    dw = grouped_ref.dot_tiles_wgrad_by_tile(ct, xb, tile_expert_T, w_ExNxK.shape[0])
+  else:
+    dx = grouped_ref.dot_tiles_dgrad(ct, wb, tile_expert_T)
+    dw = grouped_ref.dot_tiles_wgrad(ct, xb, tile_expert_T, w_ExNxK.shape[0])
   return dx.astype(x_PxK.dtype), dw.astype(w_ExNxK.dtype), None
 
 

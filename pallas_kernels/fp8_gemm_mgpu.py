@@ -8,6 +8,7 @@ Operands and math are those of ``pallas_kernels.fp8_gemm`` (read its docstring):
   A belongs to one expert); each tile's B loads start at its expert. Reference ``grouped_gemm_reference``.
 * ``bf16_gemm``: A BF16 (M, K), B BF16 stored (N, K) (the K-major transposed SMEM view, as in FP8 mode), FP32
   accumulation; reference ``fp8_gemm.bf16_gemm_reference``. The BF16 linears and the lm_head of ``fp8jax.ops``.
+  ``grouped_bf16_gemm_tiles``: its grouped mode (B stacked (E, N, K), A in the tile layout), the BF16 experts.
 
 Kernel structure (the DeepGEMM recipe, DeepSeek-V3 report sec. 3.3.2 "increasing accumulation precision", written
 from scratch on the Pallas primitives; jax's ``hopper_matmul_mgpu.py`` shows the warp-specialized pattern):
@@ -268,9 +269,9 @@ def _kernel(*refs, cfg: TuningConfig, row_scales: bool, num_experts: int = 0):
 
   With the two scale refs: FP8 mode (E4M3 operands, a fresh wgmma accumulator per K block, FP32 promotion).
   Without: BF16 mode (BF16 operands, one wgmma accumulator over all of K, no promotion).
-  With ``num_experts`` (grouped mode, FP8 tile scales only): b is the experts' weights stacked (E*N, K), bs their
-  replicated tile scales side by side (Kb, E*32*Nb), and the last input maps each 128-row tile of A to its expert;
-  a tile's B and B-scale loads start at its expert's block, everything else is the dense kernel.
+  With ``num_experts`` (grouped mode; FP8 with tile scales, or BF16): b is the experts' weights stacked (E*N, K), bs
+  (FP8) their replicated tile scales side by side (Kb, E*32*Nb), and the last input maps each 128-row tile of A to
+  its expert; a tile's B (and B-scale) loads start at its expert's block, everything else is the dense kernel.
   """
   *in_gmem, out_gmem, out_smem = refs
   if num_experts:
@@ -548,12 +549,13 @@ def _validate_grouped(a_q_PxK, a_s_PxKb, b_q_ExNxK, b_s_ExNbxKb, tile_expert_T):
                      f"{tuple(tile_expert_T.shape)} {tile_expert_T.dtype}")
 
 
-def _grouped_config(cfg: TuningConfig | None, p: int, n: int, k: int, num_sms: int) -> TuningConfig:
-  """A requested config, or ``choose_config``'s pick, whose CTA height divides 128 (a CTA's rows: one expert)."""
+def _grouped_config(cfg: TuningConfig | None, p: int, n: int, k: int, num_sms: int, choose=None) -> TuningConfig:
+  """A requested config, or ``choose``'s pick (``choose_config``'s by default), whose CTA height divides 128 (a CTA's
+  rows: one expert)."""
   if cfg is None:
     # Without cross_tile, so that unused tiles are skipped: with balanced routing every group fills whole tiles and
     # the E unused tiles are a fifth of the work at 8192 tokens x top-8 over 128 experts (not yet measured on GPU).
-    cfg = dataclasses.replace(choose_config(p, n, k, num_sms), cross_tile=False)
+    cfg = dataclasses.replace((choose or choose_config)(p, n, k, num_sms), cross_tile=False)
     if BLOCK % cfg.cta_m:  # 192-row CTAs (3 consumer warpgroups) -> 128-row CTAs
       cfg = dataclasses.replace(cfg, num_wgs=2)
   if BLOCK % cfg.cta_m:
@@ -606,6 +608,35 @@ def grouped_fp8_gemm(a_q_MxK, a_s_MxKb, b_q_ExNxK, b_s_ExNbxKb, group_sizes_E, *
   out = grouped_fp8_gemm_tiles(a_q, a_s, b_q_ExNxK, b_s_ExNbxKb, tile_expert, out_dtype=out_dtype, config=config,
                                interpret=interpret, num_sms=num_sms)
   return grouped_gemm.from_tiles(out, dest)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "num_sms"))
+def grouped_bf16_gemm_tiles(a_PxK, b_ExNxK, tile_expert_T, *, out_dtype=jnp.float32, config: TuningConfig | None = None,
+                            interpret: bool = False, num_sms: int | None = None):
+  """``bf16_gemm`` in grouped mode on the tile buffer: C[tile t] = A[tile t] . B[tile_expert_T[t]]^T -> (P, N).
+
+  A BF16 (P, K) in ``grouped_gemm.layout``'s tiles, B BF16 stacked (E, N, K), N and K multiples of 128; tiles with
+  an id >= E are skipped (their rows of C unspecified). The invariance contract of ``grouped_fp8_gemm_tiles`` in
+  BF16 mode: each output element runs the dense BF16 kernel's accumulation (one FP32 wgmma accumulator over K, in
+  K order) over its row of A and of B_e, for every config, so each group's rows are bitwise ``bf16_gemm`` of those
+  rows against expert e alone (checked on the GPU); reference ``grouped_gemm.dot_tiles_reference``."""
+  if b_ExNxK.ndim != 3:
+    raise ValueError(f"grouped_bf16_gemm: B must be stacked (E, N, K), got {tuple(b_ExNxK.shape)}")
+  _validate_bf16(a_PxK, jax.ShapeDtypeStruct(b_ExNxK.shape[1:], b_ExNxK.dtype))
+  (p, k), (e, n, _) = a_PxK.shape, b_ExNxK.shape
+  if p % BLOCK or tile_expert_T.shape != (p // BLOCK,) or not jnp.issubdtype(tile_expert_T.dtype, jnp.integer):
+    raise ValueError(f"grouped_bf16_gemm: A's tile buffer must have a multiple of {BLOCK} rows and one integer expert "
+                     f"id per {BLOCK}-row tile; got A {tuple(a_PxK.shape)}, tile_expert {tuple(tile_expert_T.shape)} "
+                     f"{tile_expert_T.dtype}")
+  out_dtype = _out_dtype(out_dtype, "grouped_bf16_gemm")
+  num_sms = num_sms or (4 if interpret else _num_sms())
+  choose = lambda m_, n_, k_, sms: choose_bf16_config(m_, n_, k_, sms, out_dtype)  # noqa: E731
+  cfg = _grouped_config(config, p, n, k, num_sms, choose)
+  cfg, mp, grid = _resolve(cfg, p, n, k, out_dtype, False, num_sms, interpret, a_PxK.dtype, "grouped_bf16_gemm")
+  assert mp == p, (mp, p)  # the CTA height divides 128
+  return _launch(a_PxK, b_ExNxK.reshape(e * n, k), tile_expert_T.astype(jnp.int32), cfg=cfg, row_scales=False, mp=p,
+                 n=n, out_dtype=out_dtype, grid=grid, interpret=interpret, kernel_name="fp8jax_grouped_bf16_gemm",
+                 num_experts=e)
 
 
 def _validate_bf16(a, b):

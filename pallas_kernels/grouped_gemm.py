@@ -174,6 +174,24 @@ def grouped_wgrad_tiles(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, num_e
   return acc
 
 
+def dot_tiles_wgrad_by_tile(ct_PxN, x_PxK, tile_expert_T, num_experts: int) -> jax.Array:
+  """dW_e = the sum over group e's tiles, in tile order, of ``ct_tile^T . x_tile`` (each a 128-token FP32 dot) ->
+  (E, N, K) FP32: ``grouped_wgrad_tiles``' loop in BF16 mode. One dense wgrad of the buffer in all (``dot_tiles_wgrad``
+  costs E); not bitwise the dense autodiff dw (that sums all of a group's tokens in one dot), equal within FP32
+  rounding (tests/test_grouped.py)."""
+  n, k, t = ct_PxN.shape[1], x_PxK.shape[1], tile_expert_T.shape[0]
+  c, x = ct_PxN.reshape(t, BLOCK, n), x_PxK.reshape(t, BLOCK, k)
+
+  def step(acc_ExNxK, xs):
+    ct, xt, e = xs
+    add = lambda: acc_ExNxK.at[e].add(jnp.dot(ct.T, xt.astype(ct.dtype), precision=jax.lax.Precision.HIGHEST,
+                                              preferred_element_type=jnp.float32))
+    return jax.lax.cond(e < num_experts, add, lambda: acc_ExNxK), None
+
+  acc, _ = jax.lax.scan(step, jnp.zeros((num_experts, n, k), jnp.float32), (c, x, tile_expert_T))
+  return acc
+
+
 def dot_tiles_dgrad(ct_PxN, w_ExNxK, tile_expert_T) -> jax.Array:
   """The VJP of ``dot_tiles_reference`` for x: per tile, the transpose of the dense ``invariant_dot`` (so each
   group's rows are bitwise the dense autodiff dx). ``ct_PxN`` is the FP32 cotangent; dx (P, K) in w's dtype."""

@@ -17,6 +17,10 @@ Presets: the default keeps Llama-3.1-8B widths but --layers 8 and --max_new 512 
 layer unrolled in the loop body, one program per config and workload) and of the prefill dominates, not decoding.
 --full = 32 layers, --max_new 1024 (compile ~4x longer; budget a whole 10-minute call, or run configs separately
 with --configs). --tiny = a 2-layer, 256-wide model for CPU. Any explicit flag overrides its preset.
+--model_config=configs/moonlight16b_fp8.py (any recipe) takes the architecture from a recipe's ``model`` group instead
+of Llama-3.1-8B's (--layers still sets the depth; --dim, --heads, ... are then refused) and the recipe's
+fp8.keep_patterns for the FP8 configs: e.g. MLA with its latent cache (one (kv_lora_rank + qk_rope_head_dim) vector
+per token and layer) and the DeepSeek-V3 MoE. The tunix peer (Llama only) is skipped for such a model.
 
 Columns:
   tok/s      generated tokens / decode wall time (generate_s - prefill_s, host syncs and slot refills included)
@@ -31,8 +35,11 @@ Columns:
                           * (1 byte FP8 | 2 bytes BF16): the K/V each decode step must read for its live context.
              The whole-cache XLA attention used before the attention kernels read every (slots x max_len) entry
              each step; that larger number stays in the JSON as kv_bytes_read_by_xla_attention, for comparison.
-  flop roof  T_flop / T_decode with T_flop = 2 * tokens * linear params / peak_w + 4 * sum(context) * Hq * hd * L
-             / 989e12, peak_w = 989e12 (BF16) or 1979e12 (FP8) dense FLOP/s of the H200.
+             (MLA: (prompt_len_r + i) * L * (kv_lora_rank + qk_rope_head_dim) * (1 | 2 bytes), the latent cache).
+  flop roof  T_flop / T_decode with T_flop = 2 * tokens * active linear params / peak_w + 2 * sum(context) * Hq *
+             (k_dim + v_dim) * L / 989e12, peak_w = 989e12 (BF16) or 1979e12 (FP8) dense FLOP/s of the H200;
+             k_dim = v_dim = head_dim (GQA), k_dim = kv_lora_rank + qk_rope_head_dim, v_dim = kv_lora_rank (MLA,
+             absorbed); an MoE layer's experts count n_experts_per_tok / n_experts of their parameters.
   prefill    prefill tokens/s (distinct prompts only: the samples of a prompt share one prefill).
   occ        mean occupancy: busy slot-steps / (decode steps x slots).
 Attention runs fp8jax.attention (on a GPU the Pallas kernels: decode reads each slot's filled cache blocks only,
@@ -49,6 +56,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import sys
@@ -63,7 +71,8 @@ import numpy as np
 
 from fp8jax import ops, quant
 from fp8jax import sampler as smp
-from fp8jax.model import llama
+from fp8jax.config_utils import load_config_file
+from fp8jax.model import llama, schema
 from fp8jax.model.config import ModelConfig
 
 HBM_BYTES_PER_S = 4.8e12  # H200
@@ -100,6 +109,8 @@ def parse_args(argv=None):
   g.add_argument("--tiny", action="store_true", help="tiny model for a CPU smoke test")
   for name in PRESETS["default"]:  # decode_chunk: decode steps per jitted call (the slot refill granularity)
     p.add_argument(f"--{name}", type=int, default=None, help=f"default: {PRESETS['default'][name]} (preset)")
+  p.add_argument("--model_config", default=None,
+                 help="a recipe (configs/*.py) whose model group and fp8.keep_patterns replace Llama-3.1-8B's")
   p.add_argument("--configs", default="bf16,fp8,fp8kv", help="comma list of " + ",".join(CONFIGS))
   p.add_argument("--workloads", default="uniform,long_tail", help="comma list of uniform,long_tail")
   p.add_argument("--long_tail_samples", type=int, default=2,
@@ -117,6 +128,11 @@ def parse_args(argv=None):
   p.add_argument("--budget_s", type=float, default=None,
                  help="skip runs that would end past this many seconds (default: 360, --full 540, --tiny 600)")
   args = p.parse_args(argv)
+  arch_flags = [f"--{k}" for k in ("dim", "ffn_dim", "heads", "kv_heads", "head_dim", "vocab")
+                if getattr(args, k) is not None]
+  if args.model_config and arch_flags:
+    p.error(f"{', '.join(arch_flags)} with --model_config={args.model_config}: the architecture comes from the recipe "
+            "(only --layers overrides it)")
   preset = PRESETS["full" if args.full else "tiny" if args.tiny else "default"]
   for k, v in preset.items():
     if getattr(args, k) is None:
@@ -133,10 +149,22 @@ def parse_args(argv=None):
 
 
 def model_config(a) -> ModelConfig:
-  """Llama-3.1-8B architecture (RoPE theta 500k, Llama-3 frequency scaling) at the requested sizes."""
+  """Llama-3.1-8B architecture (RoPE theta 500k, Llama-3 frequency scaling) at the requested sizes, or the
+  --model_config recipe's architecture --layers deep."""
+  if a.model_config:
+    m = ModelConfig.from_config(load_config_file(a.model_config).model)
+    return dataclasses.replace(m, n_layers=a.layers, max_seq_len=max(m.max_seq_len, a.prompt_len + a.max_new))
   return ModelConfig(vocab_size=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.kv_heads,
                      head_dim=a.head_dim, ffn_dim=a.ffn_dim, rope_theta=500000.0, rope_scaling=(8.0, 1.0, 4.0, 8192),
                      max_seq_len=max(8192, a.prompt_len + a.max_new))
+
+
+def recipe_of(a, name: str) -> quant.Recipe:
+  """The quantization recipe of a --configs entry: with --model_config, that recipe's fp8.keep_patterns kept BF16."""
+  recipe = CONFIGS[name][0]
+  if a.model_config and recipe.mode != "bf16":
+    recipe = dataclasses.replace(recipe, keep_patterns=tuple(load_config_file(a.model_config).fp8.keep_patterns))
+  return recipe
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -168,22 +196,31 @@ def weight_bytes_per_step(params, cfg: ModelConfig) -> int:
   return total
 
 
-def linear_params(cfg: ModelConfig) -> int:
-  per_layer = cfg.dim * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
-  return cfg.n_layers * per_layer + cfg.vocab_size * cfg.dim  # + lm_head
+def linear_params(cfg: ModelConfig) -> float:
+  """Parameters of the matrices a generated token multiplies (the schema's 2-D+ weights, MLA's absorbed kv_b
+  included; an MoE layer's stacked experts times n_experts_per_tok / n_experts), plus the output head."""
+  n = 0.0
+  for i in range(cfg.n_layers):
+    for p in schema.LAYER:
+      shape = tuple(p.shape(cfg)) if p.present(cfg, i) else ()
+      if len(shape) >= 2:
+        n += math.prod(shape) * (cfg.n_experts_per_tok / cfg.n_experts if p.stacked else 1.0)
+  return n + cfg.vocab_size * cfg.dim
 
 
 def roofline(cfg: ModelConfig, ro: smp.Rollout, w_bytes: int, kv_fp8: bool, weights_fp8: bool, slots: int,
              max_len: int, decode_s: float) -> dict:
   """Memory and compute roofline times of the decode phase of ``ro`` (formulas: module docstring)."""
-  kv_token_bytes = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * (1 if kv_fp8 else 2)
+  heads, hd, has_v = cfg.kv_cache_layout
+  kv_token_bytes = cfg.n_layers * (2 if has_v else 1) * heads * hd * (1 if kv_fp8 else 2)
+  k_dim, v_dim = (cfg.latent_dim, cfg.kv_lora_rank) if cfg.is_mla else (cfg.head_dim, cfg.head_dim)
   lens, plens = ro.lengths.astype(np.float64), ro.prompt_lens.astype(np.float64)
   ctx_sum = float(np.sum(lens * plens + lens * (lens - 1) / 2 + lens))  # sum_i (plen + i + 1), i < len
   steps = ro.stats["decode_steps"]
   tokens = float(lens.sum())
   t_mem = (w_bytes * steps + ctx_sum * kv_token_bytes) / HBM_BYTES_PER_S
   lin_flops = 2 * tokens * linear_params(cfg)
-  attn_flops = 4 * ctx_sum * cfg.n_heads * cfg.head_dim * cfg.n_layers
+  attn_flops = 2 * ctx_sum * cfg.n_heads * (k_dim + v_dim) * cfg.n_layers
   t_flop = lin_flops / PEAK_FLOPS["fp8" if weights_fp8 else "bf16"] + attn_flops / PEAK_FLOPS["bf16"]
   return {"weight_bytes_per_step": w_bytes, "kv_bytes_live_context": ctx_sum * kv_token_bytes,
           "kv_bytes_read_by_xla_attention": float(steps) * slots * max_len * kv_token_bytes,
@@ -211,7 +248,7 @@ _SAMPLERS: dict[str, smp.Sampler] = {}
 def get_sampler(a, cfg, name) -> smp.Sampler:
   """One Sampler per config: its jitted prefill (keyed by the Sampler object and shapes) serves both workloads."""
   if name not in _SAMPLERS:
-    recipe, kv = CONFIGS[name]
+    recipe, kv = recipe_of(a, name), CONFIGS[name][1]
     scfg = smp.SamplerConfig(slots=a.slots, max_len=a.prompt_len + a.max_new, prompt_buckets=(a.prompt_len,),
                              kv_cache=kv, decode_chunk=a.decode_chunk)
     cfg = dataclasses.replace(cfg, **MODEL_OVERRIDES.get(name, {}))
@@ -220,7 +257,7 @@ def get_sampler(a, cfg, name) -> smp.Sampler:
 
 
 def run_fp8jax(a, cfg, name, params, prompts, workload, kv_scales=None) -> dict:
-  recipe, kv = CONFIGS[name]
+  recipe, kv = recipe_of(a, name), CONFIGS[name][1]
   max_len = a.prompt_len + a.max_new
   s = get_sampler(a, cfg, name)
   if workload == "uniform":
@@ -501,7 +538,7 @@ def main(argv=None):
   params = {"bf16": smp.prepare_params(master, CONFIGS["bf16"][0])}  # BF16 weights alias the master's buffers
   if any(CONFIGS[c][0].mode == "fp8" for c in a.configs):
     t0 = time.perf_counter()
-    params["fp8"] = smp.prepare_params(master, quant.Recipe())
+    params["fp8"] = smp.prepare_params(master, recipe_of(a, next(c for c in a.configs if CONFIGS[c][0].mode == "fp8")))
     jax.block_until_ready(params["fp8"])
     log(f"quantize_params: {time.perf_counter() - t0:.1f} s")
   kv_scales = None
@@ -519,6 +556,8 @@ def main(argv=None):
     if i == n_uniform:  # the peer, after fp8jax's uniform runs
       if a.no_tunix:
         out["tunix"] = {"status": "skipped", "why": "--no_tunix"}
+      elif a.model_config:
+        out["tunix"] = {"status": "skipped", "why": f"tunix peer is Llama only; --model_config={a.model_config}"}
       elif not over_budget("tunix"):
         out["tunix"] = timed(run_tunix, a, cfg, master, prompts)
         if out["tunix"]["status"] != "ok":

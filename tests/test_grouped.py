@@ -204,6 +204,16 @@ def test_errors_name_shapes():
   assert ops.grouped_linear(x, w, sizes).shape == (8, N)  # BF16 mode runs no FP8 GEMM
 
 
+def _interpreted(kernel_fn):
+  """(calls, kernel): ``kernel_fn`` in interpret mode, recording the A operand's shape of every call."""
+  calls = []
+
+  def kernel(*args, **kw):
+    calls.append(args[0].shape)
+    return kernel_fn(*args, interpret=True, **kw)
+  return calls, kernel
+
+
 @cpu_only
 @pytest.mark.parametrize("kind", ["fp8_master", "qweight"])
 def test_grouped_kernel_on_pallas_matches_reference(monkeypatch, kind):
@@ -222,12 +232,7 @@ def test_grouped_kernel_on_pallas_matches_reference(monkeypatch, kind):
   run = lambda cfg: jax.jit(lambda x, dy: (lambda y, vjp: (y, vjp(dy)[0]))(
       *jax.vjp(lambda x: ops.grouped_linear(x, wq, sizes, cfg), x)))(x, dy)
   y_ref, dx_ref = run(xla)
-  calls = []
-
-  def kernel(*args, **kw):
-    calls.append(args[0].shape)
-    return fp8_gemm_mgpu.grouped_fp8_gemm_tiles(*args, interpret=True, **kw)
-
+  calls, kernel = _interpreted(fp8_gemm_mgpu.grouped_fp8_gemm_tiles)
   monkeypatch.setattr(ops, "resolve_backend", lambda requested: "pallas")
   monkeypatch.setattr(ops, "_pallas_grouped_gemm", lambda: kernel)
   monkeypatch.setattr(ops, "_pallas_quant", lambda: quant)  # the quantizer itself (the kernels' bits)
@@ -239,12 +244,46 @@ def test_grouped_kernel_on_pallas_matches_reference(monkeypatch, kind):
   np.testing.assert_array_equal(bits(dx), bits(dx_ref))
 
 
+@cpu_only
+def test_bf16_grouped_kernel_on_pallas_matches_reference(monkeypatch):
+  """BF16 mode on "pallas": forward and dgrad on the grouped kernel in BF16 mode (interpret), dw by the per-tile loop
+  (``dot_tiles_wgrad_by_tile``); small integers keep every sum exact, so all three are bitwise the reference path
+  (the GPU bits: tests/test_grouped_kernel.py). With random operands the per-tile dw is within FP32 rounding of the
+  reference's one dot per group."""
+  from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415
+
+  x = rand(22, (M, K), 3.0).round().astype(jnp.bfloat16)
+  w = rand(23, (E, N, K), 3.0).round().astype(jnp.bfloat16)
+  dy = rand(24, (M, N), 3.0).round().astype(jnp.bfloat16)
+  sizes = jnp.asarray(SIZES, jnp.int32)
+  run = lambda cfg: jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(
+      *jax.vjp(lambda x, w: ops.grouped_linear(x, w, sizes, cfg), x, w)))(x, w, dy)
+  ref = run(ops.LinearConfig(backend="xla"))
+  calls, kernel = _interpreted(fp8_gemm_mgpu.grouped_bf16_gemm_tiles)
+  monkeypatch.setattr(ops, "resolve_bf16_backend", lambda requested: "pallas")
+  monkeypatch.setattr(ops, "_pallas_grouped_bf16_gemm", lambda: kernel)
+  got = run(ops.LinearConfig(backend="pallas"))
+  p = grouped_gemm.padded_rows(M, E)
+  assert calls == [(p, K), (p, N)]  # forward, dgrad, on the tile buffer
+  for name, a, b in zip(("y", "dx", "dw"), got, ref):
+    assert np.any(bits(a)), name
+    np.testing.assert_array_equal(bits(a), bits(b), err_msg=name)
+  xt, ct = rand(25, (3 * 128, K), 1.0, jnp.bfloat16), rand(26, (3 * 128, N), 1.0)
+  tiles = jnp.asarray([1, 1, 3], jnp.int32)
+  by_tile = np.asarray(grouped_gemm.dot_tiles_wgrad_by_tile(ct, xt, tiles, E))
+  c64, x64 = np.asarray(ct, np.float64), np.asarray(xt, np.float64)
+  np.testing.assert_allclose(by_tile[1], c64[:256].T @ x64[:256], rtol=1e-5, atol=1e-4)  # FP64: one dot per group
+  np.testing.assert_allclose(by_tile[3], c64[256:].T @ x64[256:], rtol=1e-5, atol=1e-4)
+  assert not np.any(by_tile[[0, 2]])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
-@pytest.mark.parametrize("kind", ["fp8_master", "qweight"])
+@pytest.mark.parametrize("kind", ["fp8_master", "qweight", "bf16"])
 def test_gpu_grouped_kernel_bitwise_dense_per_group(kind):
-  """The grouped kernel on the H200 (the "pallas" backend): each group's y and dx bitwise the dense ``linear`` (the
-  dense Hopper kernel) on that group's rows alone, at a Qwen3-30B-A3B expert shape (gate/up: N 768, K 2048)."""
+  """The grouped kernel on the H200 (the "pallas" backend, FP8 and BF16 modes): each group's y and dx bitwise the
+  dense ``linear`` (the dense Hopper kernel) on that group's rows alone, at a Qwen3-30B-A3B expert shape (gate/up:
+  N 768, K 2048)."""
   sizes = (130, 0, 1, 300, 64, 0, 257, 100)
   m, e, n, k = sum(sizes) + 20, len(sizes), 768, 2048
   x, w, dy = rand(15, (m, k), 1.0, jnp.bfloat16), rand(16, (e, n, k), 0.02), rand(17, (m, n), 1.0, jnp.bfloat16)

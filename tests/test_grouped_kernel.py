@@ -251,3 +251,74 @@ def test_gpu_configs_bitwise(out_dtype):
   alone[g] = sizes[g]
   out = mgpu.grouped_fp8_gemm(a_q[rows], a_s[rows], b_q, b_s, jnp.asarray(alone), out_dtype=out_dtype)
   np.testing.assert_array_equal(np.asarray(out), first[rows])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# BF16 mode (the BF16 recipe's experts): grouped_bf16_gemm_tiles
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _bf16_tiles(seed, sizes, n, k, exact=False):
+  """BF16 rows moved to the tile layout, stacked BF16 experts, the tile map and each group's source rows."""
+  m = int(sum(sizes)) + 5  # rows past the groups
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  if exact:  # small integers: every FP32 sum exact, whatever order the interpreter's dot picks
+    a = jax.random.randint(k1, (m, k), -8, 9).astype(jnp.bfloat16)
+    b = jax.random.randint(k2, (len(sizes), n, k), -8, 9).astype(jnp.bfloat16)
+  else:
+    a = jax.random.normal(k1, (m, k), jnp.bfloat16)
+    b = (0.05 * jax.random.normal(k2, (len(sizes), n, k))).astype(jnp.bfloat16)
+  sizes_E = jnp.asarray(sizes, jnp.int32)
+  dest, tile_expert = grouped_gemm.layout(sizes_E, m)
+  a_t = grouped_gemm.to_tiles(a, dest, grouped_gemm.padded_rows(m, len(sizes)))
+  return a, b, a_t, dest, tile_expert
+
+
+@pytest.mark.parametrize("sizes", [(130, 0, 1, 140), (0, 0, 70)])
+def test_interpret_bf16_bitwise_reference_and_dense_per_group(sizes):
+  n, k = 256, 256
+  a, b, a_t, dest, tile_expert = _bf16_tiles(len(sizes), sizes, n, k, exact=True)
+  out = grouped_gemm.from_tiles(mgpu.grouped_bf16_gemm_tiles(a_t, b, tile_expert, interpret=True), dest)
+  ref = grouped_gemm.from_tiles(grouped_gemm.dot_tiles_reference(a_t, b, tile_expert), dest)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+  for g, rows in _groups(sizes):
+    dense = mgpu.bf16_gemm(a[rows], b[g], out_dtype=jnp.float32, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out[rows]), np.asarray(dense), err_msg=f"group {g}")
+
+
+def test_bf16_grouped_errors_name_shapes():
+  a, b, a_t, _, tile_expert = _bf16_tiles(0, (10, 20), 256, 256)
+  with pytest.raises(ValueError, match=r"B must be stacked \(E, N, K\)"):
+    mgpu.grouped_bf16_gemm_tiles(a_t, b[0], tile_expert, interpret=True)
+  with pytest.raises(ValueError, match="multiple of 128 rows"):
+    mgpu.grouped_bf16_gemm_tiles(a_t[:100], b, tile_expert, interpret=True)
+  with pytest.raises(ValueError, match="must be bfloat16"):
+    mgpu.grouped_bf16_gemm_tiles(a_t.astype(jnp.float32), b, tile_expert, interpret=True)
+
+
+@pytest.mark.parametrize("m", [256, 32768])
+@pytest.mark.parametrize("name", list(QWEN3_MOE))
+def test_bf16_lowers_for_cuda_qwen3_moe_shapes(m, name):
+  n, k = QWEN3_MOE[name]
+  p = grouped_gemm.padded_rows(m, QWEN3_E)
+  args = (jax.ShapeDtypeStruct((p, k), jnp.bfloat16), jax.ShapeDtypeStruct((QWEN3_E, n, k), jnp.bfloat16),
+          jax.ShapeDtypeStruct((p // 128,), jnp.int32))
+  f = functools.partial(mgpu.grouped_bf16_gemm_tiles, out_dtype=jnp.float32, num_sms=132)
+  assert "mosaic_gpu" in _lower_cuda(f, *args)
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("name", list(QWEN3_MOE))
+def test_gpu_bf16_matches_reference_and_dense_per_group(name):
+  """The real kernel in BF16 mode: near the XLA reference, and each group's rows bitwise the dense BF16 kernel's."""
+  n, k = QWEN3_MOE[name]
+  sizes = tuple(int(s) for s in grouped_gemm.routing_sizes(512, 8, 32, 1.2, seed=2))
+  a, b, a_t, dest, tile_expert = _bf16_tiles(3, sizes, n, k)
+  out = np.asarray(grouped_gemm.from_tiles(mgpu.grouped_bf16_gemm_tiles(a_t, b, tile_expert), dest))
+  ref = grouped_gemm.from_tiles(grouped_gemm.dot_tiles_reference(a_t, b, tile_expert), dest)
+  assert _rel_err(out, ref) <= 1e-5
+  groups = _groups(sizes)
+  for g, rows in (groups[i] for i in sorted({0, len(groups) // 2, len(groups) - 1})):
+    dense = mgpu.bf16_gemm(a[rows], b[g], out_dtype=jnp.float32)
+    np.testing.assert_array_equal(out[rows], np.asarray(dense), err_msg=f"group {g} ({sizes[g]} rows)")

@@ -35,6 +35,7 @@ from fp8jax import ops
 from fp8jax.model.config import ModelConfig
 from fp8jax.model.mlp import mlp
 from pallas_kernels import grouped_gemm as grouped_ref
+from pallas_kernels.fp8_gemm import pairwise_max, pairwise_sum
 
 
 @jax.tree_util.register_dataclass
@@ -54,11 +55,21 @@ def route(p, x_MxD, cfg: ModelConfig, lcfg: ops.LinearConfig):
   if cfg.moe_router == "sigmoid":
     return _route_sigmoid(p, x_MxD, cfg, lcfg)
   logits = ops.linear(x_MxD, p["router"], lcfg)
-  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  probs = _softmax(logits.astype(jnp.float32))
   top_p, top_i = jax.lax.top_k(probs, cfg.n_experts_per_tok)
   if cfg.norm_topk_prob:
-    top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    top_p = top_p / pairwise_sum(top_p)[:, None]
   return top_p.astype(x_MxD.dtype), top_i.astype(jnp.int32), probs
+
+
+def _softmax(z_MxE):
+  """``jax.nn.softmax`` over experts with no reduce in it, on every backend: the max (no gradient: the softmax does
+  not depend on the shift) and the denominator as elementwise ops in one fixed order (``pairwise_max``,
+  ``pairwise_sum``). With jax.nn.softmax, XLA:CPU gave the same token's probabilities other FP32 roundings among 512
+  training tokens than among 4 decode rows (``exp`` fused after the row max compiles per shape), so routing weights
+  and then the whole residual stream of sampler and trainer parted (tests/test_moe.py, 128-token sequences)."""
+  e = jnp.exp(z_MxE - jax.lax.stop_gradient(pairwise_max(z_MxE))[:, None])
+  return e / pairwise_sum(e)[:, None]
 
 
 def _route_sigmoid(p, x_MxD, cfg: ModelConfig, lcfg: ops.LinearConfig):
@@ -75,7 +86,7 @@ def _route_sigmoid(p, x_MxD, cfg: ModelConfig, lcfg: ops.LinearConfig):
   _, top_i = jax.lax.top_k(choice, cfg.n_experts_per_tok)
   w = jnp.take_along_axis(scores, top_i, axis=-1)
   if cfg.norm_topk_prob:
-    w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    w = w / (pairwise_sum(w)[:, None] + 1e-20)  # a fixed order, as _softmax's sum
   w = w * jnp.float32(cfg.routed_scaling_factor)
   return w, top_i.astype(jnp.int32), scores / jnp.sum(scores, axis=-1, keepdims=True)
 
