@@ -558,9 +558,10 @@ def _grouped_bf16_bwd(cfg, res, dy_PxN):
   ct = dy_PxN.astype(jnp.float32)  # the cotangent of the FP32 dot, as in linear's autodiff
   xb, wb = x_PxK.astype(jnp.bfloat16), w_ExNxK.astype(jnp.bfloat16)
   if resolve_bf16_backend(cfg.backend) == "pallas":
-    # dy in BF16 for the tensor cores, as the dense kernel's VJP (exact: the forward's output is BF16)
+    # dy in BF16 for the tensor cores, as the dense kernel's VJP (exact for BF16 outputs)
     dx = _grouped_bf16_gemm(ct.astype(jnp.bfloat16), jnp.swapaxes(wb, 1, 2), tile_expert_T, cfg)
-    dw = grouped_ref.dot_tiles_wgrad_by_tile(ct, xb, tile_expert_T, w_ExNxK.shape[0])
+    # rounded to BF16 as the reference's dw (and the dense kernel's VJP) is, before the master's dtype
+    dw = grouped_ref.dot_tiles_wgrad_by_tile(ct, xb, tile_expert_T, w_ExNxK.shape[0]).astype(jnp.bfloat16)
   else:
     dx = grouped_ref.dot_tiles_dgrad(ct, wb, tile_expert_T)
     dw = grouped_ref.dot_tiles_wgrad(ct, xb, tile_expert_T, w_ExNxK.shape[0])

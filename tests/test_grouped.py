@@ -253,7 +253,7 @@ def test_bf16_grouped_kernel_on_pallas_matches_reference(monkeypatch):
   from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415
 
   x = rand(22, (M, K), 3.0).round().astype(jnp.bfloat16)
-  w = rand(23, (E, N, K), 3.0).round().astype(jnp.bfloat16)
+  w = rand(23, (E, N, K), 3.0).round()  # an FP32 master: dw comes back rounded to BF16, then FP32
   dy = rand(24, (M, N), 3.0).round().astype(jnp.bfloat16)
   sizes = jnp.asarray(SIZES, jnp.int32)
   run = lambda cfg: jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(
