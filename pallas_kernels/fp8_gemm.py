@@ -93,14 +93,14 @@ def _pairwise(x, op, pad_value):
   return x[..., 0]
 
 
+pairwise_sum.defvjp(lambda x: (_pairwise_sum(x), x.shape), lambda shape, g: (jnp.broadcast_to(g[..., None], shape),))
+
+
 def pairwise_max(x):
   """Max over the last axis as elementwise maxima (``pairwise_sum``'s halving): no reduce. The max itself is exact in
   any order, but XLA:CPU compiles an elementwise op fused after a row reduce per shape: ``exp(z - max(z))`` over
   the same row came out differently among 4 rows than among 512 (rows of 8 and of 128), and not after this max."""
   return _pairwise(x, jnp.maximum, -jnp.inf)
-
-
-pairwise_sum.defvjp(lambda x: (_pairwise_sum(x), x.shape), lambda shape, g: (jnp.broadcast_to(g[..., None], shape),))
 
 
 def invariant_sum(x):
