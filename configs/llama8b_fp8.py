@@ -44,5 +44,5 @@ def get_config(arg=None):
   c.warmstart.steps = 0
   c.train = ml_collections.ConfigDict(dict(steps=500, val_every=10, val_prompts=256))
   c.checkpoint = ml_collections.ConfigDict(dict(every=10, keep=3, hf_dir="", resume=True))
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, expert=1, tensor=1))
   return c

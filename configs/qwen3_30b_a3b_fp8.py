@@ -10,8 +10,9 @@ for the FP8 sampler weights and the KL reference (grpo.kl_beta > 0), ~550 GB bef
 What is missing: the experts' forward and dgrad run the grouped Hopper FP8 kernel (checked on the H200 against the
 dense kernel, bitwise per expert; docs/benchmarks.md "Grouped FP8 GEMM"), but their wgrad runs the exact XLA
 reference (a loop over 128-row tiles, slow), and the rows move into the kernel's tile layout by XLA gathers that cost
-more than the kernel. There is no expert parallelism either (the experts' leading axis is not sharded). The full
-recipe has not been run. Measured (one H200, 2026-12-02; docs/benchmarks.md): 2 of 48 layers at the GRPO smoke shape
+more than the kernel. Expert parallelism: --config.mesh.expert=8 (with fsdp 1) puts 16 experts on each GPU
+(fp8jax/model/moe_parallel.py; checked on fake CPU devices only, bitwise one device's rows). The full recipe has not
+been run. Measured (one H200, 2026-12-02; docs/benchmarks.md): 2 of 48 layers at the GRPO smoke shape
 (scripts/bench_grpo_step.py, random weights): 0.373 s per step, the same as BF16 (launch-bound at 2,048 tokens), and
 sampler == trainer exactly (check_loop_exactness.py: 0 of 2048 tokens differ). Accuracy: nothing measured. The GRPO settings are llama8b_fp8.py's (NeMo RL's Llama-3.1-8B FP8 recipe), not tuned
 for this model.

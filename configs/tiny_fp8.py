@@ -81,5 +81,5 @@ def get_config(arg=None):
 
   c.train = ml_collections.ConfigDict(dict(steps=200, val_every=50, val_prompts=256))
   c.checkpoint = ml_collections.ConfigDict(dict(every=100, keep=2, hf_dir="", resume=True))
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))  # -1: all remaining devices
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, expert=1, tensor=1))  # -1: all remaining devices
   return c

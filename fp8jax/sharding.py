@@ -1,6 +1,7 @@
 """Mesh and partition rules, in one place.
 
 Mesh axes: ``data`` (pure data parallel), ``fsdp`` (data parallel with parameters and optimizer state sharded),
+``expert`` (expert parallel: a MoE layer's experts split over it, and data parallel for everything else),
 ``tensor`` (Megatron-style tensor parallel). Rules are keyed by the parameter's leaf name, so the same rules
 serve master params, their optimizer moments (optax keeps trees of the same structure) and quantized weights.
 They come from the parameter schema (``fp8jax.model.schema``: each parameter's axes); for the dense decoder:
@@ -8,9 +9,11 @@ They come from the parameter schema (``fp8jax.model.schema``: each parameter's a
   wq, wk, wv, w_gate, w_up (out, in):  out over tensor, in over fsdp  (column parallel)
   wo, w_down              (out, in):   out over fsdp,  in over tensor (row parallel)
   embed, lm_head          (V, D):      V over tensor,  D over fsdp
+  expert_gate/up/down     (E, out, in): E over expert, then as the dense ones (fp8jax.model.moe_parallel)
   norms, scalars, FP8 scales:          replicated
 A dimension that a mesh axis does not divide stays unsharded on that axis (so tiny models work on any mesh).
-Batches are sharded over (data, fsdp) on their first dimension.
+Batches are sharded over (data, fsdp, expert) on their first dimension. A mesh built by hand may leave out axes of
+size 1 (e.g. ``Mesh(devices, ("data", "fsdp", "tensor"))``): rules naming a missing axis leave that dimension whole.
 """
 
 from __future__ import annotations
@@ -24,15 +27,18 @@ from jax.sharding import PartitionSpec as P
 
 from fp8jax.model import schema
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")  # the axes that shard a batch's first (token / sequence) dimension
+AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")  # the axes that shard a batch's first (token / sequence) dimension
 _RULES = schema.SHARDING_RULES  # leaf name -> mesh axis per dimension (fp8jax.model.schema)
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
-  """Mesh from the config's ``mesh`` group; one size may be -1 (all remaining devices)."""
+  """Mesh from the config's ``mesh`` group; one size may be -1 (all remaining devices), an axis left out is 1."""
   devices = list(devices if devices is not None else jax.devices())
-  sizes = {a: int(mesh_cfg[a]) for a in AXES}
+  unknown = sorted(set(mesh_cfg) - set(AXES))
+  if unknown:
+    raise ValueError(f"mesh: unknown axes {unknown} (the mesh axes are {AXES})")
+  sizes = {a: int(mesh_cfg[a]) if a in mesh_cfg else 1 for a in AXES}
   free = [a for a, s in sizes.items() if s == -1]
   if len(free) > 1:
     raise ValueError(f"mesh: at most one of {AXES} may be -1, got {sizes}")
@@ -64,12 +70,22 @@ def spec_for(path, shape, mesh: Mesh) -> P:
   rule = _RULES.get(_leaf_name(path))
   if rule is None or len(shape) != len(rule) or _is_scale(path):
     return P()
-  return P(*[ax if ax is not None and shape[i] % mesh.shape[ax] == 0 else None for i, ax in enumerate(rule)])
+  return P(*[ax if ax in mesh.shape and shape[i] % mesh.shape[ax] == 0 else None for i, ax in enumerate(rule)])
 
 
 def tree_shardings(tree, mesh: Mesh):
   """NamedShardings for every leaf of a pytree of arrays or ShapeDtypeStructs."""
   return jax.tree_util.tree_map_with_path(lambda p, x: NamedSharding(mesh, spec_for(p, x.shape, mesh)), tree)
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+  """The batch axes ``mesh`` has (a hand-built mesh may lack some)."""
+  return tuple(a for a in BATCH_AXES if a in mesh.shape)
+
+
+def expert_axis_size(mesh: Mesh | None) -> int:
+  """How many ways ``mesh`` splits a MoE layer's experts (1: no expert parallelism)."""
+  return 1 if mesh is None else int(mesh.shape.get("expert", 1))
 
 
 def split_batch_axes(mesh: Mesh | None, m: int) -> tuple[str, ...] | None:
@@ -110,15 +126,15 @@ def ordered_sum(x, axis: str):
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+  return NamedSharding(mesh, P(batch_axes(mesh), *([None] * (ndim - 1))))
 
 
 def shard_batch(batch: dict, mesh: Mesh) -> dict:
-  """Places a dict of host arrays, first dim over (data, fsdp); the first dim must divide by that size."""
-  n = math.prod(mesh.shape[a] for a in BATCH_AXES)
+  """Places a dict of host arrays, first dim over (data, fsdp, expert); the first dim must divide by that size."""
+  n = math.prod(mesh.shape[a] for a in batch_axes(mesh))
   out = {}
   for k, v in batch.items():
     if v.shape[0] % n:
-      raise ValueError(f"batch field {k!r} has {v.shape[0]} rows, not divisible by data*fsdp={n}")
+      raise ValueError(f"batch field {k!r} has {v.shape[0]} rows, not divisible by data*fsdp*expert={n}")
     out[k] = jax.device_put(v, batch_sharding(mesh, v.ndim))
   return out

@@ -224,7 +224,7 @@ layers._norm_backend = lambda requested, x: "pallas"
 layers._norm_kernel = lambda: SimpleNamespace(rms_norm=norm_ref.rms_norm_reference)
 cfg = ModelConfig(vocab_size=256, dim=256, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=128, ffn_dim=512,
                   attn_backend="xla", qk_norm=True)
-mesh = Mesh(np.asarray(jax.devices()).reshape(1, 2, 2), sharding.AXES)
+mesh = Mesh(np.asarray(jax.devices()).reshape(1, 2, 1, 2), sharding.AXES)
 params = quant.mark_fp8(init_params(cfg, seed=0), quant.Recipe())
 toks = jax.random.randint(jax.random.key(1), (4, 16), 0, cfg.vocab_size)
 fwd = lambda lcfg: jax.jit(lambda p, t: forward(p, t, cfg, lcfg)[0])

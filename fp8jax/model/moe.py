@@ -122,28 +122,49 @@ def _dispatch_bwd(p, k, res, ct_PxD):
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
+def tile_plan(local_A, n_local: int):
+  """The grouped GEMMs' tile layout for assignments whose expert, among the ``n_local`` run here, is ``local_A``
+  (``n_local``: run elsewhere, or padding) -> (row_A: each assignment's buffer row, ``p`` for those not run here;
+  tile_expert_T; p, the buffer's static row count). The assignments are sorted by expert with a stable sort, so an
+  expert's rows keep the assignments' order: a function of the routing alone."""
+  n_a = local_A.shape[0]
+  order = jnp.argsort(local_A, stable=True)
+  sizes_E = jnp.bincount(local_A, length=n_local + 1)[:n_local].astype(jnp.int32)
+  dest_S, tile_expert = grouped_ref.layout(sizes_E, n_a)  # buffer row of the s-th sorted assignment
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n_a, dtype=order.dtype))
+  return dest_S[inverse], tile_expert, grouped_ref.padded_rows(n_a, n_local)
+
+
+def swiglu_tiles(p, xs_PxD, tile_expert_T, lcfg: ops.LinearConfig):
+  """The experts' SwiGLU on rows in the tile layout: three grouped GEMMs (gate, up, down)."""
+  gate = ops.grouped_linear_tiles(xs_PxD, p["expert_gate"], tile_expert_T, lcfg)
+  up = ops.grouped_linear_tiles(xs_PxD, p["expert_up"], tile_expert_T, lcfg)
+  h = jax.nn.silu(gate.astype(jnp.float32)).astype(xs_PxD.dtype) * up
+  return ops.grouped_linear_tiles(h, p["expert_down"], tile_expert_T, lcfg)
+
+
+def expert_rows(p, x_MxD, experts_Mxk, cfg: ModelConfig, lcfg: ops.LinearConfig):
+  """Each assignment's expert output -> (M * k, D) in x's dtype, row a = token a // k, slot a % k. On a multi-device
+  mesh the experts run per device, split over its ``expert`` axis (``moe_parallel``: the same rows bit for bit)."""
+  if lcfg.mesh is not None and lcfg.mesh.size > 1:
+    from fp8jax.model import moe_parallel  # noqa: PLC0415  (it imports this module)
+    return moe_parallel.expert_rows(p, x_MxD, experts_Mxk, cfg, lcfg)
+  k = experts_Mxk.shape[1]
+  row_A, tile_expert, n_rows = tile_plan(experts_Mxk.reshape(-1), cfg.n_experts)
+  # The experts' rows live in the grouped GEMM's tile layout from dispatch to combine (one gather in, one out).
+  ys = swiglu_tiles(p, _dispatch(x_MxD, row_A, n_rows, k), tile_expert, lcfg)
+  return grouped_ref.from_tiles(ys, row_A)
+
+
 def moe(p, x_BxTxD, cfg: ModelConfig, lcfg: ops.LinearConfig, mask_BxT=None):
   """The MoE MLP -> (out (B, T, D) in x's dtype, RouterStats). ``mask_BxT``: tokens that count in the stats."""
   b, t, d = x_BxTxD.shape
   k, n_exp = cfg.n_experts_per_tok, cfg.n_experts
   x = x_BxTxD.reshape(b * t, d)
   weights_Mxk, experts_Mxk, probs_MxE = route(p, x, cfg, lcfg)
-
   flat = experts_Mxk.reshape(-1)  # assignment a = token * k + slot
-  n_a = flat.shape[0]
-  order = jnp.argsort(flat, stable=True)  # assignments sorted by expert
-  sizes_E = jnp.bincount(flat, length=n_exp).astype(jnp.int32)
-  # The experts' rows live in the grouped GEMM's tile layout from dispatch to combine (one gather in, one out).
-  dest_S, tile_expert = grouped_ref.layout(sizes_E, n_a)  # buffer row of the s-th sorted assignment
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n_a, dtype=order.dtype))
-  row_A = dest_S[inverse]  # buffer row of assignment a
-  xs = _dispatch(x, row_A, grouped_ref.padded_rows(n_a, n_exp), k)
-  gate = ops.grouped_linear_tiles(xs, p["expert_gate"], tile_expert, lcfg)
-  up = ops.grouped_linear_tiles(xs, p["expert_up"], tile_expert, lcfg)
-  h = jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up
-  ys = ops.grouped_linear_tiles(h, p["expert_down"], tile_expert, lcfg)
   # exact for the softmax router's BF16 weights (BF16 x BF16 fits FP32); the sigmoid router's are FP32 already
-  y = grouped_ref.from_tiles(ys, row_A).reshape(b * t, k, d).astype(jnp.float32) * weights_Mxk.astype(
+  y = expert_rows(p, x, experts_Mxk, cfg, lcfg).reshape(b * t, k, d).astype(jnp.float32) * weights_Mxk.astype(
       jnp.float32)[..., None]
   out = _sum_slots(y).astype(x.dtype).reshape(b, t, d)
   if cfg.n_shared_experts:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
   from fp8jax.model.config import ModelConfig
 
 # Mesh axes of fp8jax.sharding (kept as strings here so this module stays import-free).
-TENSOR, FSDP = "tensor", "fsdp"
+TENSOR, FSDP, EXPERTS = "tensor", "fsdp", "expert"
 COLUMN = (TENSOR, FSDP)  # (out, in): output features over tensor, input over fsdp (column parallel)
 ROW = (FSDP, TENSOR)  # (out, in): output over fsdp, input features over tensor (row parallel)
 REPLICATED = None
@@ -181,11 +181,11 @@ LAYER: tuple[Param, ...] = (
           present=_dense_mlp),
     # Qwen3-MoE layers: the router stays BF16 (not a recipe linear: NeMo RL never quantizes it), experts block FP8.
     Param("router", _mat("n_experts", "dim"), REPLICATED, "mlp.gate", present=_moe),
-    Param("expert_gate", _experts("moe_ffn_dim", "dim"), (None, *COLUMN), "mlp.experts.{e}.gate_proj", linear=True,
+    Param("expert_gate", _experts("moe_ffn_dim", "dim"), (EXPERTS, *COLUMN), "mlp.experts.{e}.gate_proj", linear=True,
           present=_moe, stacked=True),
-    Param("expert_up", _experts("moe_ffn_dim", "dim"), (None, *COLUMN), "mlp.experts.{e}.up_proj", linear=True,
+    Param("expert_up", _experts("moe_ffn_dim", "dim"), (EXPERTS, *COLUMN), "mlp.experts.{e}.up_proj", linear=True,
           present=_moe, stacked=True),
-    Param("expert_down", _experts("dim", "moe_ffn_dim"), (None, *ROW), "mlp.experts.{e}.down_proj", linear=True,
+    Param("expert_down", _experts("dim", "moe_ffn_dim"), (EXPERTS, *ROW), "mlp.experts.{e}.down_proj", linear=True,
           init="normal_residual", present=_moe, stacked=True),
     # DeepSeek-V3 MoE: the router's expert-choice bias (a buffer, FP32 in HF checkpoints; not trained by gradient:
     # the model stops its gradient) and the shared experts (one SwiGLU MLP that every token passes).
