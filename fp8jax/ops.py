@@ -17,8 +17,8 @@ type of ``w`` (chosen by the recipe in ``fp8jax.quant``), never on who calls it:
 same three modes); each group's results are bitwise ``linear`` on its rows alone. ``grouped_linear_tiles`` is the
 same op on rows already in the grouped GEMM's tile layout (the MoE block keeps them there). On "pallas" the forward
 and dgrad run the grouped Hopper kernel (``fp8_gemm_mgpu.grouped_fp8_gemm_tiles``, in BF16 mode
-``grouped_bf16_gemm_tiles``); the FP8 wgrad runs the exact reference everywhere, the BF16 wgrad on "pallas" a
-per-tile loop of XLA dots.
+``grouped_bf16_gemm_tiles``); the FP8 wgrad runs the exact reference everywhere, the BF16 wgrad on "pallas" XLA
+dots in tile order; both as one batched step (all experts) per tile position (``grouped_gemm.by_tile_position``).
 
 Outputs are ``cfg.out_dtype`` (BF16 by default). The GEMMs run on a backend: "xla" is the exact block-math
 reference in ``pallas_kernels.fp8_gemm`` (every kernel is tested against it); "pallas" is the Hopper kernel, with
@@ -544,7 +544,8 @@ def _grouped_bf16(x_PxK, w_ExNxK, tile_expert_T, cfg: LinearConfig):
   """BF16 mode. A custom VJP (not autodiff of the tile loop, which would sum each expert's per-tile dw in BF16). On
   "xla" dx and dw are, per group, bitwise the dense BF16 ``linear``'s autodiff; on "pallas" the forward and dx run
   the grouped kernel (per group bitwise the dense kernel's rows) and dw adds each tile's FP32 product in tile order
-  (``grouped_gemm.dot_tiles_wgrad_by_tile``: one dense wgrad's work, where the reference's costs E)."""
+  (``grouped_gemm.dot_tiles_wgrad_by_tile``: about one dense wgrad's work when routing is balanced, where the
+  reference's costs E)."""
   y = _grouped_bf16_gemm(x_PxK.astype(jnp.bfloat16), w_ExNxK.astype(jnp.bfloat16), tile_expert_T, cfg)
   return y.astype(cfg.out_dtype)
 

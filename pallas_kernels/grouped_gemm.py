@@ -155,41 +155,49 @@ def dot_tiles_reference(x_PxK, w_ExNxK, tile_expert_T) -> jax.Array:
   return per_tile(lambda at, _, ei: invariant_dot(at, w_ExNxK[ei]), x_PxK, None, tile_expert_T, e, n, jnp.float32)
 
 
+def by_tile_position(tile_fn, tile_expert_T: jax.Array, num_experts: int, shape) -> jax.Array:
+  """acc_e = the sum over group e's tiles, in tile order, of ``tile_fn(idx_E)[e]`` -> (E, *shape) FP32, where
+  ``tile_fn`` gets one tile index per expert (``idx_E[e]``: group e's j-th tile) and gives each expert's product
+  (E, *shape) FP32 at once. The loop runs over the tile positions j (as many as the largest group has tiles), one
+  batched step for all experts each: each expert's sum in the same order as a loop over its tiles would add them,
+  in max-group-size steps instead of one per tile (a group ends: its accumulator is kept, not added to)."""
+  t = tile_expert_T.shape[0]
+  counts = jnp.bincount(tile_expert_T, length=num_experts + 1)[:num_experts]  # unused tiles are id E
+  first = jnp.searchsorted(tile_expert_T, jnp.arange(num_experts, dtype=tile_expert_T.dtype), side="left")
+
+  def step(j, acc):
+    prod = tile_fn(jnp.minimum(first + j, t - 1))
+    return jnp.where((j < counts).reshape(-1, *([1] * len(shape))), acc + prod, acc)
+
+  return jax.lax.fori_loop(0, jnp.max(counts), step, jnp.zeros((num_experts, *shape), jnp.float32))
+
+
 def grouped_wgrad_tiles(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, num_experts: int) -> jax.Array:
   """dW_e = sum over group e's token tiles of A_tile . B_tile^T -> (E, N, K) FP32.
 
   Operands are the tile buffers quantized 1x128 over tokens (``quant.quantize_act_t`` of the (P, .) buffers), so
-  tile t is K block t of the dense wgrad GEMM. Each used tile adds ``fp8_gemm_reference`` of its one K block to its
-  expert's accumulator, in increasing tile order: the dense reference's per-block math in the dense order."""
+  tile t is K block t of the dense wgrad GEMM. Group e's tiles add ``fp8_gemm_reference`` of their one K block to
+  its accumulator, in increasing tile order: the dense reference's per-block math in the dense order
+  (``by_tile_position``: all experts' j-th tiles in one batched step)."""
   n, k, t = a_q_NxP.shape[0], b_q_KxP.shape[0], tile_expert_T.shape[0]
   a = a_q_NxP.reshape(n, t, BLOCK).transpose(1, 0, 2)
   b = b_q_KxP.reshape(k, t, BLOCK).transpose(1, 0, 2)
-
-  def step(acc_ExNxK, xs):
-    at, bt, sa, sb, e = xs
-    add = lambda: acc_ExNxK.at[e].add(fp8_gemm_reference(at, sa[:, None], bt, sb[:, None], out_dtype=jnp.float32))
-    return jax.lax.cond(e < num_experts, add, lambda: acc_ExNxK), None
-
-  acc, _ = jax.lax.scan(step, jnp.zeros((num_experts, n, k), jnp.float32), (a, b, a_s_NxT.T, b_s_KxT.T, tile_expert_T))
-  return acc
+  sa, sb = a_s_NxT.T, b_s_KxT.T
+  block = jax.vmap(lambda at, st, bt, bs: fp8_gemm_reference(at, st[:, None], bt, bs[:, None], out_dtype=jnp.float32))
+  return by_tile_position(lambda i: block(a[i], sa[i], b[i], sb[i]), tile_expert_T, num_experts, (n, k))
 
 
 def dot_tiles_wgrad_by_tile(ct_PxN, x_PxK, tile_expert_T, num_experts: int) -> jax.Array:
   """dW_e = the sum over group e's tiles, in tile order, of ``ct_tile^T . x_tile`` (each a 128-token FP32 dot) ->
   (E, N, K) FP32: ``grouped_wgrad_tiles``' loop in BF16 mode. One dense wgrad of the buffer in all (``dot_tiles_wgrad``
-  costs E); not bitwise the dense autodiff dw (that sums all of a group's tokens in one dot), equal within FP32
-  rounding (tests/test_grouped.py)."""
+  costs E) when the groups are balanced (``by_tile_position`` computes E products per tile position); not bitwise
+  the dense autodiff dw (that sums all of a group's tokens in one dot), equal within FP32 rounding
+  (tests/test_grouped.py)."""
   n, k, t = ct_PxN.shape[1], x_PxK.shape[1], tile_expert_T.shape[0]
   c, x = ct_PxN.reshape(t, BLOCK, n), x_PxK.reshape(t, BLOCK, k)
-
-  def step(acc_ExNxK, xs):
-    ct, xt, e = xs
-    add = lambda: acc_ExNxK.at[e].add(jnp.dot(ct.T, xt.astype(ct.dtype), precision=jax.lax.Precision.HIGHEST,
-                                              preferred_element_type=jnp.float32))
-    return jax.lax.cond(e < num_experts, add, lambda: acc_ExNxK), None
-
-  acc, _ = jax.lax.scan(step, jnp.zeros((num_experts, n, k), jnp.float32), (c, x, tile_expert_T))
-  return acc
+  prod = lambda i: jnp.einsum("ebn,ebk->enk", c[i], x[i].astype(c.dtype), precision=jax.lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)
+  return by_tile_position(prod, tile_expert_T, num_experts, (n, k))
 
 
 def dot_tiles_dgrad(ct_PxN, w_ExNxK, tile_expert_T) -> jax.Array:

@@ -17,6 +17,16 @@ JAX times are CUPTI kernel times (bench_gemm.jax_time_ms, wrapper ops included).
 contract); exit code 1 if either fails. Writes bench_grouped.json and .log to --out; the table is printed last.
 Expected runtime on an H200: ~2-3 min (not yet run; mostly compiles: the dense loop compiles one kernel per
 distinct tile count of a group).
+
+``--wgrad``: the expert weight gradients instead, dW_e = dY_e^T . X_e over each expert's routed rows (the same shapes
+and routings; TFLOP/s as above), on the tile buffer:
+  fp8           ``ops._grouped_wgrad`` (both operands quantized 1x128 over tokens, then
+                ``grouped_gemm.grouped_wgrad_tiles``: one batched step per tile position, all experts at once)
+  fp8_per_tile  the same math as one step per tile (a scan over the buffer's tiles: the implementation before
+                ``by_tile_position``), kept here as the before
+  bf16          ``grouped_gemm.dot_tiles_wgrad_by_tile`` (BF16 experts' wgrad, one batched step per tile position)
+  torch_gmm     torch._grouped_mm BF16 with the groups along the contraction (dY^T (N, rows) . X (rows, K))
+Checks: fp8 vs the BF16 path (relative Frobenius error, FP8 rounding), fp8 bitwise fp8_per_tile (reported).
 """
 
 from __future__ import annotations
@@ -139,6 +149,79 @@ def bench_case(name, routing, tokens, args):
   return row, ok
 
 
+def _per_tile_wgrad(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, num_experts):
+  """The FP8 grouped wgrad as one scan step per tile (the implementation before ``by_tile_position``)."""
+  n, k, t = a_q_NxP.shape[0], b_q_KxP.shape[0], tile_expert_T.shape[0]
+  a = a_q_NxP.reshape(n, t, 128).transpose(1, 0, 2)
+  b = b_q_KxP.reshape(k, t, 128).transpose(1, 0, 2)
+
+  def step(acc, xs):
+    at, bt, sa, sb, e = xs
+    add = lambda: acc.at[e].add(fp8_gemm_reference(at, sa[:, None], bt, sb[:, None], out_dtype=jnp.float32))  # noqa: E731
+    return jax.lax.cond(e < num_experts, add, lambda: acc), None
+
+  return jax.lax.scan(step, jnp.zeros((num_experts, n, k), jnp.float32), (a, b, a_s_NxT.T, b_s_KxT.T, tile_expert_T))[0]
+
+
+def bench_wgrad_case(name, routing, tokens):
+  from fp8jax import ops  # noqa: PLC0415
+  n, k = SHAPES[name]
+  sizes = grouped_gemm.routing_sizes(tokens, TOP_K, E, ROUTINGS[routing])
+  m = int(sizes.sum())
+  tf = lambda ms: 2.0 * m * n * k / (ms * 1e-3) / 1e12  # noqa: E731
+  kx, kd = jax.random.split(jax.random.key(1))
+  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+  dy = jax.random.normal(kd, (m, n), jnp.bfloat16)
+  dest, tile_expert = grouped_gemm.layout(jnp.asarray(sizes), m)
+  p = grouped_gemm.padded_rows(m, E)
+  x_p, dy_p = jax.block_until_ready((grouped_gemm.to_tiles(x, dest, p), grouped_gemm.to_tiles(dy, dest, p)))
+  row = dict(shape=name, n=n, k=k, routing=routing, rows=m, max_group=int(sizes.max()),
+             empty_groups=int((sizes == 0).sum()))
+  cfg = ops.LinearConfig()
+  outs = {}
+  calls = {
+      "fp8": lambda d, xx: ops._grouped_wgrad(d, xx, tile_expert, E, cfg),
+      "fp8_per_tile": lambda d, xx: _per_tile_wgrad(*quant.quantize_act_t(d), *quant.quantize_act_t(xx), tile_expert, E),
+      "bf16": lambda d, xx: grouped_gemm.dot_tiles_wgrad_by_tile(d, xx, tile_expert, E),
+  }
+  for key, fn in calls.items():
+    try:
+      ms, outs[key] = jax_time_ms(fn, [(dy_p, x_p)], iters=3)
+      row[key], row[key + "_ms"] = tf(ms), ms
+    except Exception:  # noqa: BLE001
+      log(f"  {key} failed:", traceback.format_exc()[-1500:])
+  try:
+    import torch  # noqa: PLC0415
+    a_t = to_torch(dy).t().contiguous()  # (N, rows)
+    b_t = to_torch(x).t().contiguous().t()  # (rows, K), column-major
+    offs = torch.from_numpy(np.cumsum(sizes).astype(np.int32)).cuda()
+    ms, _ = torch_time_ms([lambda: torch._grouped_mm(a_t, b_t, offs=offs, out_dtype=torch.bfloat16)])
+    row["torch_gmm"] = tf(ms)
+  except Exception:  # noqa: BLE001
+    log("  torch._grouped_mm (wgrad) failed:", traceback.format_exc()[-1500:])
+  ok = True
+  if "fp8" in outs and "bf16" in outs:
+    a, b = np.asarray(outs["fp8"], np.float32), np.asarray(outs["bf16"], np.float32)
+    row["fp8_err"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    ok = row["fp8_err"] < 0.1
+  if "fp8" in outs and "fp8_per_tile" in outs:
+    row["fp8_bitwise_per_tile"] = bool(jnp.all(outs["fp8"] == outs["fp8_per_tile"]))
+  return row, ok
+
+
+def wgrad_table(rows):
+  cols = ("fp8", "fp8_per_tile", "bf16", "torch_gmm")
+  lines = ["| shape (NxK) | routing | rows (max group, empty) | fp8 | fp8 per tile (before) | bf16 | "
+           "torch._grouped_mm BF16 | fp8 / torch | fp8 err vs bf16 | fp8 bitwise per tile |", "|" + "---|" * 10]
+  for r in rows:
+    ratio = r["fp8"] / r["torch_gmm"] if "fp8" in r and "torch_gmm" in r else None
+    lines.append("| {} {}x{} | {} | {} ({}, {}) | {} | {} | {:.1e} | {} |".format(
+        r["shape"], r["n"], r["k"], r["routing"], r["rows"], r["max_group"], r["empty_groups"],
+        " | ".join(fmt(r.get(c)) for c in cols), fmt(ratio, "{:.2f}x"), r.get("fp8_err", float("nan")),
+        r.get("fp8_bitwise_per_tile", "-")))
+  return "\n".join(lines)
+
+
 def table(rows):
   cols = ("ours", "ours_kernel", "ours_cross", "dense_loop", "ragged_dot", "torch_gmm")
   hdr = ("| shape (NxK) | routing | rows (max group, empty) | ours | ours kernel | ours cross-tile | dense loop "
@@ -160,6 +243,7 @@ def main():
   p.add_argument("--out", default=os.environ.get("OUT", "."))
   p.add_argument("--no-dense-loop", action="store_true", help="skip the per-expert loop of the dense kernel")
   p.add_argument("--no-ragged-dot", action="store_true", help="skip XLA's ragged_dot")
+  p.add_argument("--wgrad", action="store_true", help="the expert weight gradients (module docstring)")
   args = p.parse_args()
   from fp8jax import ops  # noqa: PLC0415
   if not ops.hopper_available():
@@ -172,14 +256,20 @@ def main():
   for name in args.shapes.split(","):
     for routing in args.routings.split(","):
       t = time.time()
-      row, ok = bench_case(name, routing, args.tokens, args)
+      row, ok = bench_wgrad_case(name, routing, args.tokens) if args.wgrad else bench_case(name, routing,
+                                                                                            args.tokens, args)
       bad += not ok
       rows.append(row)
       log(json.dumps(row), f"({time.time() - t:.1f}s)")
-  with open(os.path.join(args.out, "bench_grouped.json"), "w") as f:
+  stem = "bench_grouped_wgrad" if args.wgrad else "bench_grouped"
+  with open(os.path.join(args.out, stem + ".json"), "w") as f:
     json.dump(rows, f, indent=1)
-  with open(os.path.join(args.out, "bench_grouped.log"), "w") as f:
+  with open(os.path.join(args.out, stem + ".log"), "w") as f:
     f.write("\n".join(LOG))
+  if args.wgrad:
+    print(f"\nTFLOP/s (2 * routed rows * N * K / median time), wgrad, {args.tokens} tokens x top-{TOP_K}, {E} experts\n"
+          + wgrad_table(rows))
+    return 1 if bad else 0
   print(f"\nTFLOP/s (2 * routed rows * N * K / median time), {args.tokens} tokens x top-{TOP_K}, {E} experts; "
         f"err: ours vs the exact block math on 4 groups\n" + table(rows))
   return 1 if bad else 0

@@ -11,9 +11,15 @@ requantization seconds), generated tokens/s, token_mult_prob_error (sampler vs t
 device memory so far (the first config's is its own; a later one's includes the earlier), then each recipe's step
 time divided by the first config's (> 1: slower than the first). Rewards are 0 (random weights): this measures the machinery,
 not learning.
+
+``--set KEY=VALUE`` (repeatable) changes the smoke shape after it is applied, for every config alike, e.g. a
+training-like size: ``--set grpo.num_prompts=32 --set grpo.num_generations=16 --set rollout.max_new_tokens=256
+--set rollout.max_len=384 --set grpo.microbatch=64`` (values are Python literals, else strings; a key the config does
+not have is refused).
 """
 
 import argparse
+import ast
 import gc
 import json
 import os
@@ -38,8 +44,31 @@ def peak_gib() -> float | None:
   return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
 
 
+def apply_sets(c, sets: list[str]):
+  """``KEY=VALUE`` overrides on config ``c`` (dotted keys, values parsed as Python literals, else kept as strings)."""
+  with c.unlocked():
+    for item in sets:
+      key, sep, raw = item.partition("=")
+      if not sep:
+        raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+      *groups, leaf = key.split(".")
+      node = c
+      for g in groups:
+        if g not in node:
+          raise ValueError(f"--set {item!r}: the config has no group {g!r} (in {key!r})")
+        node = node[g]
+      if leaf not in node:
+        raise ValueError(f"--set {item!r}: the config has no key {key!r}")
+      try:
+        value = ast.literal_eval(raw)
+      except (ValueError, SyntaxError):
+        value = raw
+      node[leaf] = value
+  return c
+
+
 def run_config(path: str, a) -> dict:
-  c = smoke_shape(load_config_file(path), a.layers, a.slots)
+  c = apply_sets(smoke_shape(load_config_file(path), a.layers, a.slots), a.set)
   t0 = time.perf_counter()
   tr = RLTrainer(c, tempfile.mkdtemp())
   rows = []
@@ -64,6 +93,8 @@ def main():
   ap.add_argument("--steps", type=int, default=5)
   ap.add_argument("--slots", type=int, default=128)
   ap.add_argument("--out", default="")
+  ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                  help="override a config key after the smoke shape (repeatable)")
   a = ap.parse_args()
   if a.steps < 2:
     ap.error(f"--steps={a.steps}: at least 2 (step 1 compiles and is not in the medians)")
