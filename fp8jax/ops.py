@@ -18,7 +18,8 @@ same three modes); each group's results are bitwise ``linear`` on its rows alone
 same op on rows already in the grouped GEMM's tile layout (the MoE block keeps them there). On "pallas" the forward
 and dgrad run the grouped Hopper kernel (``fp8_gemm_mgpu.grouped_fp8_gemm_tiles``, in BF16 mode
 ``grouped_bf16_gemm_tiles``); the FP8 wgrad runs the exact reference everywhere, the BF16 wgrad on "pallas" XLA
-dots in tile order; both as one batched step (all experts) per tile position (``grouped_gemm.by_tile_position``).
+dots in tile order; both loop over tile positions (a batched step for all experts) or over tiles, whichever the
+group sizes make cheaper (``grouped_gemm.sum_by_tile``).
 
 Outputs are ``cfg.out_dtype`` (BF16 by default). The GEMMs run on a backend: "xla" is the exact block-math
 reference in ``pallas_kernels.fp8_gemm`` (every kernel is tested against it); "pallas" is the Hopper kernel, with

@@ -155,21 +155,37 @@ def dot_tiles_reference(x_PxK, w_ExNxK, tile_expert_T) -> jax.Array:
   return per_tile(lambda at, _, ei: invariant_dot(at, w_ExNxK[ei]), x_PxK, None, tile_expert_T, e, n, jnp.float32)
 
 
-def by_tile_position(tile_fn, tile_expert_T: jax.Array, num_experts: int, shape) -> jax.Array:
-  """acc_e = the sum over group e's tiles, in tile order, of ``tile_fn(idx_E)[e]`` -> (E, *shape) FP32, where
-  ``tile_fn`` gets one tile index per expert (``idx_E[e]``: group e's j-th tile) and gives each expert's product
-  (E, *shape) FP32 at once. The loop runs over the tile positions j (as many as the largest group has tiles), one
-  batched step for all experts each: each expert's sum in the same order as a loop over its tiles would add them,
-  in max-group-size steps instead of one per tile (a group ends: its accumulator is kept, not added to)."""
+POSITION_COST = 5  # a tile product in a batched step of all experts costs ~1/5 of one in a per-tile step (H200)
+
+
+def sum_by_tile(tile_fn, tile_expert_T: jax.Array, num_experts: int, shape) -> jax.Array:
+  """acc_e = the sum over group e's tiles, in tile order, of ``tile_fn(t)`` (the (*shape) FP32 product of tile t) ->
+  (E, *shape) FP32; an empty group gives zeros. Two loops give the same sums (each expert's tiles added in tile
+  order) at different costs, picked per call from the group sizes:
+  * by tile position: step j adds every group's j-th tile at once (``tile_fn`` vmapped over experts), as many steps
+    as the largest group has tiles, each computing E products: cheap when groups are about equal;
+  * per tile: one step per used tile: the cheaper one when a few groups hold most tiles (E x the largest group's
+    tiles would exceed ``POSITION_COST`` x the used tiles)."""
   t = tile_expert_T.shape[0]
   counts = jnp.bincount(tile_expert_T, length=num_experts + 1)[:num_experts]  # unused tiles are id E
   first = jnp.searchsorted(tile_expert_T, jnp.arange(num_experts, dtype=tile_expert_T.dtype), side="left")
+  zeros = jnp.zeros((num_experts, *shape), jnp.float32)
+  batched = jax.vmap(tile_fn)
 
-  def step(j, acc):
-    prod = tile_fn(jnp.minimum(first + j, t - 1))
-    return jnp.where((j < counts).reshape(-1, *([1] * len(shape))), acc + prod, acc)
+  def by_position():
+    def step(j, acc):
+      prod = batched(jnp.minimum(first + j, t - 1))
+      return jnp.where((j < counts).reshape(-1, *([1] * len(shape))), acc + prod, acc)
+    return jax.lax.fori_loop(0, jnp.max(counts), step, zeros)
 
-  return jax.lax.fori_loop(0, jnp.max(counts), step, jnp.zeros((num_experts, *shape), jnp.float32))
+  def per_tile():
+    def step(ti, acc):
+      e = tile_expert_T[ti]
+      return jax.lax.cond(e < num_experts, lambda: acc.at[e].add(tile_fn(ti)), lambda: acc)
+    return jax.lax.fori_loop(0, t, step, zeros)
+
+  used = jnp.sum(counts)
+  return jax.lax.cond(num_experts * jnp.max(counts) <= POSITION_COST * used, by_position, per_tile)
 
 
 def grouped_wgrad_tiles(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, num_experts: int) -> jax.Array:
@@ -178,26 +194,25 @@ def grouped_wgrad_tiles(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, num_e
   Operands are the tile buffers quantized 1x128 over tokens (``quant.quantize_act_t`` of the (P, .) buffers), so
   tile t is K block t of the dense wgrad GEMM. Group e's tiles add ``fp8_gemm_reference`` of their one K block to
   its accumulator, in increasing tile order: the dense reference's per-block math in the dense order
-  (``by_tile_position``: all experts' j-th tiles in one batched step)."""
+  (``sum_by_tile``)."""
   n, k, t = a_q_NxP.shape[0], b_q_KxP.shape[0], tile_expert_T.shape[0]
   a = a_q_NxP.reshape(n, t, BLOCK).transpose(1, 0, 2)
   b = b_q_KxP.reshape(k, t, BLOCK).transpose(1, 0, 2)
   sa, sb = a_s_NxT.T, b_s_KxT.T
-  block = jax.vmap(lambda at, st, bt, bs: fp8_gemm_reference(at, st[:, None], bt, bs[:, None], out_dtype=jnp.float32))
-  return by_tile_position(lambda i: block(a[i], sa[i], b[i], sb[i]), tile_expert_T, num_experts, (n, k))
+  tile = lambda i: fp8_gemm_reference(a[i], sa[i][:, None], b[i], sb[i][:, None], out_dtype=jnp.float32)
+  return sum_by_tile(tile, tile_expert_T, num_experts, (n, k))
 
 
 def dot_tiles_wgrad_by_tile(ct_PxN, x_PxK, tile_expert_T, num_experts: int) -> jax.Array:
   """dW_e = the sum over group e's tiles, in tile order, of ``ct_tile^T . x_tile`` (each a 128-token FP32 dot) ->
   (E, N, K) FP32: ``grouped_wgrad_tiles``' loop in BF16 mode. One dense wgrad of the buffer in all (``dot_tiles_wgrad``
-  costs E) when the groups are balanced (``by_tile_position`` computes E products per tile position); not bitwise
-  the dense autodiff dw (that sums all of a group's tokens in one dot), equal within FP32 rounding
-  (tests/test_grouped.py)."""
+  costs E; ``sum_by_tile``); not bitwise the dense autodiff dw (that sums all of a group's tokens in one dot), equal
+  within FP32 rounding (tests/test_grouped.py)."""
   n, k, t = ct_PxN.shape[1], x_PxK.shape[1], tile_expert_T.shape[0]
   c, x = ct_PxN.reshape(t, BLOCK, n), x_PxK.reshape(t, BLOCK, k)
-  prod = lambda i: jnp.einsum("ebn,ebk->enk", c[i], x[i].astype(c.dtype), precision=jax.lax.Precision.HIGHEST,
-                              preferred_element_type=jnp.float32)
-  return by_tile_position(prod, tile_expert_T, num_experts, (n, k))
+  prod = lambda i: jnp.dot(c[i].T, x[i].astype(c.dtype), precision=jax.lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+  return sum_by_tile(prod, tile_expert_T, num_experts, (n, k))
 
 
 def dot_tiles_dgrad(ct_PxN, w_ExNxK, tile_expert_T) -> jax.Array:

@@ -21,11 +21,13 @@ distinct tile count of a group).
 ``--wgrad``: the expert weight gradients instead, dW_e = dY_e^T . X_e over each expert's routed rows (the same shapes
 and routings; TFLOP/s as above), on the tile buffer:
   fp8           ``ops._grouped_wgrad`` (both operands quantized 1x128 over tokens, then
-                ``grouped_gemm.grouped_wgrad_tiles``: one batched step per tile position, all experts at once)
+                ``grouped_gemm.grouped_wgrad_tiles``: a batched step for all experts per tile position, or a step per
+                tile when a few groups hold most tiles: ``grouped_gemm.sum_by_tile``)
   fp8_per_tile  the same math as one step per tile (a scan over the buffer's tiles: the implementation before
-                ``by_tile_position``), kept here as the before
-  bf16          ``grouped_gemm.dot_tiles_wgrad_by_tile`` (BF16 experts' wgrad, one batched step per tile position)
-  torch_gmm     torch._grouped_mm BF16 with the groups along the contraction (dY^T (N, rows) . X (rows, K))
+                ``sum_by_tile``), kept here as the before
+  bf16          ``grouped_gemm.dot_tiles_wgrad_by_tile`` (BF16 experts' wgrad, ``sum_by_tile`` too)
+  torch_gmm     torch._grouped_mm BF16 with the groups along the contraction (dY^T (N, rows) . X (rows, K)), on the
+                tile buffer (its groups' rows must be multiples of 8; the zero rows add nothing)
 Checks: fp8 vs the BF16 path (relative Frobenius error, FP8 rounding), fp8 bitwise fp8_per_tile (reported).
 """
 
@@ -150,7 +152,7 @@ def bench_case(name, routing, tokens, args):
 
 
 def _per_tile_wgrad(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, num_experts):
-  """The FP8 grouped wgrad as one scan step per tile (the implementation before ``by_tile_position``)."""
+  """The FP8 grouped wgrad as one scan step per tile (the implementation before ``sum_by_tile``)."""
   n, k, t = a_q_NxP.shape[0], b_q_KxP.shape[0], tile_expert_T.shape[0]
   a = a_q_NxP.reshape(n, t, 128).transpose(1, 0, 2)
   b = b_q_KxP.reshape(k, t, 128).transpose(1, 0, 2)
@@ -192,9 +194,11 @@ def bench_wgrad_case(name, routing, tokens):
       log(f"  {key} failed:", traceback.format_exc()[-1500:])
   try:
     import torch  # noqa: PLC0415
-    a_t = to_torch(dy).t().contiguous()  # (N, rows)
-    b_t = to_torch(x).t().contiguous().t()  # (rows, K), column-major
-    offs = torch.from_numpy(np.cumsum(sizes).astype(np.int32)).cuda()
+    # torch wants every group's rows x 2 bytes a multiple of 16: it runs on the same tile buffer (groups padded to
+    # 128 rows with zero rows, which add nothing; ours computes them too)
+    a_t = to_torch(dy_p).t().contiguous()  # (N, P)
+    b_t = to_torch(x_p).t().contiguous().t()  # (P, K), column-major
+    offs = torch.from_numpy(np.cumsum(-(-sizes // 128) * 128).astype(np.int32)).cuda()
     ms, _ = torch_time_ms([lambda: torch._grouped_mm(a_t, b_t, offs=offs, out_dtype=torch.bfloat16)])
     row["torch_gmm"] = tf(ms)
   except Exception:  # noqa: BLE001

@@ -295,3 +295,26 @@ def test_gpu_grouped_kernel_bitwise_dense_per_group(kind):
       np.testing.assert_array_equal(bits(y[rows]), bits(ye), err_msg=f"forward, group {g}")
       np.testing.assert_array_equal(bits(dx[rows]), bits(dxe), err_msg=f"dgrad, group {g}")
   assert not np.any(bits(y[sum(sizes):])) and not np.any(bits(dx[sum(sizes):]))
+
+
+@pytest.mark.parametrize("cost", [0, None, 10**6])
+@pytest.mark.parametrize("sizes", [[256, 300, 0, 200, 256], [1, 0, 2000, 3, 0]])
+def test_sum_by_tile_adds_each_group_in_tile_order(sizes, cost, monkeypatch):
+  """``grouped_gemm.sum_by_tile`` (the grouped wgrads' loop) is bitwise a plain loop over the used tiles adding each
+  tile's product to its group in tile order, whichever of its two loops runs (``cost`` 0: always per tile; 10**6:
+  always by tile position; None: picked from the sizes: balanced -> by position, skewed -> per tile); empty groups
+  give exact zeros."""
+  if cost is not None:
+    monkeypatch.setattr(grouped_gemm, "POSITION_COST", cost)
+  sizes = np.asarray(sizes, np.int32)
+  _, tile_expert = grouped_gemm.layout(jnp.asarray(sizes), int(sizes.sum()))
+  vals = jax.random.normal(jax.random.key(3), (tile_expert.shape[0], 3, 5), jnp.float32) * 1e3
+  got = np.asarray(jax.jit(lambda v, te: grouped_gemm.sum_by_tile(lambda t: v[t], te, len(sizes), (3, 5)))(
+      vals, tile_expert))
+  want = np.zeros((len(sizes), 3, 5), np.float32)
+  v = np.asarray(vals)
+  for t, e in enumerate(np.asarray(tile_expert)):
+    if e < len(sizes):
+      want[e] = want[e] + v[t]
+  np.testing.assert_array_equal(got, want)
+  assert not got[sizes == 0].any()
