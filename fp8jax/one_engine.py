@@ -32,10 +32,16 @@ from fp8jax.rl import grpo, learner
 
 
 def model_config(dim: int, layers: int, vocab: int) -> ModelConfig:
-  """The checks' random model: Llama-shaped, head_dim 128 (64 below dim 512), 4 query heads per KV head."""
+  """The checks' random model: Llama-shaped, head_dim 128 (64 below dim 512), 4 query heads per KV head, or 2 where
+  one 64-wide KV head would make the K/V projections narrower than the Hopper FP8 GEMM's 128-wide blocks (dim 256:
+  without this the default shape stopped on a GPU with "N = 64 ... must be a multiple of 128")."""
   hd = 128 if dim >= 512 else 64
-  return ModelConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=dim // hd, n_kv_heads=max(1, dim // hd // 4),
-                     head_dim=hd, ffn_dim=int(dim * 3.5) // 128 * 128, max_seq_len=4096)
+  n_heads = dim // hd
+  n_kv = max(1, n_heads // 4)
+  if n_kv * hd % 128 and n_heads % (128 // hd) == 0:
+    n_kv = 128 // hd
+  return ModelConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd,
+                     ffn_dim=int(dim * 3.5) // 128 * 128, max_seq_len=4096)
 
 
 def add_model_args(ap):
