@@ -1,12 +1,13 @@
 """Which ops on the log-prob path change a row's bits with the batch shape? (the exact-one-engine issue's hunt)
 
-  PYTHONPATH=. python3 scripts/check_row_invariance.py [--out FILE.json]
+  PYTHONPATH=. python3 scripts/check_row_invariance.py [--out FILE.json] [--widths 1024:32768,4096:128256]
+      [--m_decode 64,1] [--m_train 8192]
 
 Each op of the model's log-prob path runs alone (its own jit, as fp8jax.jit compiles it) on a training-sized batch
-of rows (--m_train, 8192: the trainer's tokens) and on a decode-sized one (M = 64 slots, and M = 1), the small batches being
-rows of the large one. An op whose decode rows are not bitwise its training rows makes the sampler's log-probs
+of rows (--m_train, 8192: the trainer's tokens) and on decode-sized ones (--m_decode: M = 64 slots, and M = 1), the
+small batches being rows of the large one. An op whose decode rows are not bitwise its training rows makes the sampler's log-probs
 differ from the trainer's; the table says which, with the max |difference| and the fraction of rows that differ.
-Shapes are Llama-3.1-8B's (D 4096, vocab 128256) and check_one_engine's (D 1024, vocab 32768). Inside the real
+Shapes (--widths D:vocab): check_one_engine's (D 1024, vocab 32768) and Llama-3.1-8B's (D 4096, vocab 128256). Inside the real
 steps XLA fuses ops with their neighbours, which can change the picture again; check_one_engine measures the whole.
 """
 
@@ -29,9 +30,6 @@ from fp8jax import attention as attn  # noqa: E402
 from fp8jax import kvcache, ops, quant  # noqa: E402
 from fp8jax.model import head, layers  # noqa: E402
 from fp8jax.model.config import ModelConfig  # noqa: E402
-
-M_DECODE = 64
-
 
 def _ops(d: int, vocab: int):
   """name -> (fn over row-batched arrays, list of per-row input shapes and dtypes) for one model width."""
@@ -65,7 +63,7 @@ def _rand(key, shape, dtype, m, int_hi):
   return (jax.random.normal(key, (m, *shape), jnp.float32) * 2).astype(dtype)
 
 
-def check(d: int, vocab: int, m_train: int):
+def check(d: int, vocab: int, m_train: int, m_decode: tuple[int, ...]):
   rows = []
   for name, (fn, specs) in _ops(d, vocab).items():
     args = [_rand(jax.random.key(i), s, dt, m_train, vocab if "token" in name else 8192)
@@ -73,7 +71,7 @@ def check(d: int, vocab: int, m_train: int):
     f = fp8jax.jit(fn)
     full = np.asarray(f(*args)).astype(np.float32)
     row = {"op": name, "d": d, "vocab": vocab}
-    for m in (M_DECODE, 1):
+    for m in m_decode:
       idx = np.random.default_rng(m).choice(m_train, m, replace=False)
       part = np.asarray(f(*[a[idx] for a in args])).astype(np.float32)
       diff = np.abs(part - full[idx])
@@ -82,12 +80,12 @@ def check(d: int, vocab: int, m_train: int):
       row[f"m{m}_max_abs_diff"] = float(np.nanmax(diff)) if diff.size else 0.0
     rows.append(row)
     print(json.dumps(row), flush=True)
-  rows.append(_sampler_vs_trainer_head(d, vocab, m_train))
+  rows.append(_sampler_vs_trainer_head(d, vocab, m_train, m_decode))
   print(json.dumps(rows[-1]), flush=True)
   return rows
 
 
-def _sampler_vs_trainer_head(d: int, vocab: int, m_train: int):
+def _sampler_vs_trainer_head(d: int, vocab: int, m_train: int, m_decode: tuple[int, ...]):
   """The one-engine question for the head itself: the sampler's log-prob (logits_and_lse + token_logprob) at
   decode M vs the trainer's (logprobs_and_entropy) at training M, for the same rows."""
   fns = _ops(d, vocab)
@@ -96,8 +94,8 @@ def _sampler_vs_trainer_head(d: int, vocab: int, m_train: int):
   args = [_rand(jax.random.key(i), s, dt, m_train, vocab if dt == jnp.int32 else 0) for i, (s, dt) in
           enumerate(specs)]
   full = np.asarray(fp8jax.jit(train_fn)(*args))[:, 0]
-  row = {"op": "head: sampler (M) vs trainer (8192)", "d": d, "vocab": vocab}
-  for m in (M_DECODE, 1):
+  row = {"op": f"head: sampler (M) vs trainer ({m_train})", "d": d, "vocab": vocab}
+  for m in m_decode:
     idx = np.random.default_rng(m).choice(m_train, m, replace=False)
     diff = np.abs(np.asarray(fp8jax.jit(samp_fn)(*[a[idx] for a in args])) - full[idx])
     row[f"m{m}_rows_differ"] = float(np.mean(diff != 0))
@@ -109,9 +107,14 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="")
   ap.add_argument("--m_train", type=int, default=8192, help="rows of the training-sized batch")
-  ap.add_argument("--small", action="store_true", help="only check_one_engine's width (D 1024, vocab 32768)")
+  ap.add_argument("--widths", default="1024:32768,4096:128256", help="D:vocab pairs, comma-separated")
+  ap.add_argument("--m_decode", default="64,1", help="decode-sized row counts, comma-separated")
   a = ap.parse_args()
-  rows = check(1024, 32768, a.m_train) + ([] if a.small else check(4096, 128256, a.m_train))
+  m_decode = tuple(int(m) for m in a.m_decode.split(","))
+  rows = []
+  for w in a.widths.split(","):
+    d, vocab = (int(v) for v in w.split(":"))
+    rows += check(d, vocab, a.m_train, m_decode)
   # attention: decode rows vs training rows (the op's own promise, for completeness)
   q = jax.random.normal(jax.random.key(0), (4, 700, 32, 128), jnp.bfloat16)
   kv = jax.random.normal(jax.random.key(1), (4, 700, 8, 128), jnp.bfloat16)
@@ -120,13 +123,15 @@ def main():
   ps = jnp.asarray([0, 100, 500, 699], jnp.int32)
   dec = np.asarray(fp8jax.jit(lambda q, k, v, p: attn.attend(q, k, v, p))(q[jnp.arange(4), ps][:, None], cache,
                                                                          cache, ps[:, None]))[:, 0]
-  rows.append({"op": "attention (decode vs training)", "d": 4096, "m1_rows_differ": float(np.mean(np.any(
-      dec != train[np.arange(4), np.asarray(ps)], axis=(1, 2))))})
+  rows.append({"op": "attention (decode vs training, 4 rows)", "d": 4096, "vocab": 0, "m4_rows_differ": float(
+      np.mean(np.any(dec != train[np.arange(4), np.asarray(ps)], axis=(1, 2))))})
   print(f"device: {jax.devices()[0].device_kind}; backends: {ops.backend_report()}")
-  print(f"{'op':32s} {'D':>5s} {'V':>7s} {'M=64 rows differ':>17s} {'max|diff|':>10s} {'M=1 rows differ':>16s}")
+  cols = [f"m{m}" for m in (*m_decode, 4)]
+  print(f"{'op':38s} {'D':>5s} {'V':>7s} " + " ".join(f"{c + ' rows differ':>15s} {'max|diff|':>9s}" for c in cols))
   for r in rows:
-    print(f"{r['op']:32s} {r['d']:5d} {r.get('vocab', 0):7d} {r.get('m64_rows_differ', float('nan')):17.3f} "
-          f"{r.get('m64_max_abs_diff', float('nan')):10.2e} {r.get('m1_rows_differ', float('nan')):16.3f}")
+    print(f"{r['op']:38s} {r['d']:5d} {r.get('vocab', 0):7d} " + " ".join(
+        f"{r.get(c + '_rows_differ', float('nan')):15.3f} {r.get(c + '_max_abs_diff', float('nan')):9.2e}"
+        for c in cols))
   if a.out:
     with open(a.out, "w") as f:
       json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
