@@ -1,8 +1,9 @@
 """Configs: the one way a config group (ConfigDict or dict) becomes a frozen dataclass (unknown keys fail, naming the
-group), and the one loader of a configs/*.py file outside absl's flags."""
+group), the one loader of a configs/*.py file outside absl's flags, and the one way code overrides its keys."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 from typing import Any
@@ -14,6 +15,18 @@ def load_config_file(path: str):
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   return mod.get_config()
+
+
+def override(config, overrides: dict, who: str):
+  """A copy of ``config`` with ``{"group.field": value}`` set; a key the config lacks raises a KeyError naming it
+  (``who``: the caller, for the message)."""
+  c = copy.deepcopy(config)
+  for key, value in overrides.items():
+    group, _, field = key.partition(".")
+    if group not in c or field not in c[group]:
+      raise KeyError(f"{who}: the config has no key {key!r}")
+    c[group][field] = value
+  return c
 
 
 def smoke_shape(c, layers: int, slots: int = 128):

@@ -23,8 +23,8 @@ and routings; TFLOP/s as above), on the tile buffer:
   fp8           ``ops._grouped_wgrad`` (both operands quantized 1x128 over tokens, then
                 ``grouped_gemm.grouped_wgrad_tiles``: a batched step for all experts per tile position, or a step per
                 tile when a few groups hold most tiles: ``grouped_gemm.sum_by_tile``)
-  fp8_per_tile  the same math as one step per tile (a scan over the buffer's tiles: the implementation before
-                ``sum_by_tile``), kept here as the before
+  fp8_per_tile  the same with ``sum_by_tile``'s per-tile loop forced (one step per tile, as the wgrads ran
+                before it; the 2026-12-03 run timed an equivalent scan copied into this script)
   bf16          ``grouped_gemm.dot_tiles_wgrad_by_tile`` (BF16 experts' wgrad, ``sum_by_tile`` too)
   torch_gmm     torch._grouped_mm BF16 with the groups along the contraction (dY^T (N, rows) . X (rows, K)), on the
                 tile buffer (its groups' rows must be multiples of 8; the zero rows add nothing)
@@ -151,18 +151,15 @@ def bench_case(name, routing, tokens, args):
   return row, ok
 
 
-def _per_tile_wgrad(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, num_experts):
-  """The FP8 grouped wgrad as one scan step per tile (the implementation before ``sum_by_tile``)."""
-  n, k, t = a_q_NxP.shape[0], b_q_KxP.shape[0], tile_expert_T.shape[0]
-  a = a_q_NxP.reshape(n, t, 128).transpose(1, 0, 2)
-  b = b_q_KxP.reshape(k, t, 128).transpose(1, 0, 2)
-
-  def step(acc, xs):
-    at, bt, sa, sb, e = xs
-    add = lambda: acc.at[e].add(fp8_gemm_reference(at, sa[:, None], bt, sb[:, None], out_dtype=jnp.float32))  # noqa: E731
-    return jax.lax.cond(e < num_experts, add, lambda: acc), None
-
-  return jax.lax.scan(step, jnp.zeros((num_experts, n, k), jnp.float32), (a, b, a_s_NxT.T, b_s_KxT.T, tile_expert_T))[0]
+def _per_tile(fn):
+  """``fn`` traced with ``sum_by_tile``'s per-tile loop forced (one step per tile: how the wgrads ran before it)."""
+  def run(*a):
+    saved, grouped_gemm.POSITION_COST = grouped_gemm.POSITION_COST, 0
+    try:
+      return fn(*a)
+    finally:
+      grouped_gemm.POSITION_COST = saved
+  return run
 
 
 def bench_wgrad_case(name, routing, tokens):
@@ -183,7 +180,7 @@ def bench_wgrad_case(name, routing, tokens):
   outs = {}
   calls = {
       "fp8": lambda d, xx: ops._grouped_wgrad(d, xx, tile_expert, E, cfg),
-      "fp8_per_tile": lambda d, xx: _per_tile_wgrad(*quant.quantize_act_t(d), *quant.quantize_act_t(xx), tile_expert, E),
+      "fp8_per_tile": _per_tile(lambda d, xx: ops._grouped_wgrad(d, xx, tile_expert, E, cfg)),
       "bf16": lambda d, xx: grouped_gemm.dot_tiles_wgrad_by_tile(d, xx, tile_expert, E),
   }
   for key, fn in calls.items():

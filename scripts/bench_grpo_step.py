@@ -15,7 +15,7 @@ not learning.
 ``--set KEY=VALUE`` (repeatable) changes the smoke shape after it is applied, for every config alike, e.g. a
 training-like size: ``--set grpo.num_prompts=32 --set grpo.num_generations=16 --set rollout.max_new_tokens=256
 --set rollout.max_len=384 --set grpo.microbatch=64`` (values are Python literals, else strings; a key the config does
-not have is refused).
+not have is refused: ``config_utils.override``).
 """
 
 import argparse
@@ -33,7 +33,7 @@ import fp8jax  # noqa: E402,F401  (before jax: XLA flags)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fp8jax.config_utils import load_config_file, smoke_shape  # noqa: E402
+from fp8jax.config_utils import load_config_file, override, smoke_shape  # noqa: E402
 from fp8jax.rl.trainer import RLTrainer  # noqa: E402
 
 KEYS = ("step_s", "rollout_s", "train_s", "requant_s", "gen_tokens_per_s", "token_mult_prob_error")
@@ -45,26 +45,17 @@ def peak_gib() -> float | None:
 
 
 def apply_sets(c, sets: list[str]):
-  """``KEY=VALUE`` overrides on config ``c`` (dotted keys, values parsed as Python literals, else kept as strings)."""
-  with c.unlocked():
-    for item in sets:
-      key, sep, raw = item.partition("=")
-      if not sep:
-        raise ValueError(f"--set {item!r}: expected KEY=VALUE")
-      *groups, leaf = key.split(".")
-      node = c
-      for g in groups:
-        if g not in node:
-          raise ValueError(f"--set {item!r}: the config has no group {g!r} (in {key!r})")
-        node = node[g]
-      if leaf not in node:
-        raise ValueError(f"--set {item!r}: the config has no key {key!r}")
-      try:
-        value = ast.literal_eval(raw)
-      except (ValueError, SyntaxError):
-        value = raw
-      node[leaf] = value
-  return c
+  """``group.key=VALUE`` overrides of config ``c`` (values parsed as Python literals, else kept as strings)."""
+  overrides = {}
+  for item in sets:
+    key, sep, raw = item.partition("=")
+    if not sep:
+      raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+    try:
+      overrides[key] = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+      overrides[key] = raw
+  return override(c, overrides, "--set")
 
 
 def run_config(path: str, a) -> dict:

@@ -71,16 +71,12 @@ import os, sys, json
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
 import fp8jax, jax, numpy as np
-from configs import tiny_moe_fp8
-from test_trainer import small_config, _parity_score
+from test_trainer import small_moe_config, _parity_score
 from fp8jax.rl import source, trainer as T
 source.ArithmeticSource.score = _parity_score  # rewards with variance: a real gradient to compare
 out = {{}}
 for name, mesh in (("one", dict(data=1, fsdp=1, expert=1, tensor=1)), ("ep", dict(data=1, fsdp=1, expert=4, tensor=1))):
-  c = tiny_moe_fp8.get_config()
-  for k, v in small_config().items():
-    if k not in ("model", "workdir"):
-      c[k] = v
+  c = small_moe_config()
   c.optim.eps = 1.0  # Adam's first step then ~ -lr * g (not -lr * sign(g)): the update compares the gradients
   c.mesh.update(mesh)
   n = int(np.prod(list(mesh.values())))

@@ -40,6 +40,17 @@ def small_config(**overrides):
   return c
 
 
+def small_moe_config():
+  """configs/tiny_moe_fp8.py (MoE layers) with small_config's run settings."""
+  from configs import tiny_moe_fp8  # noqa: PLC0415
+
+  c = tiny_moe_fp8.get_config()
+  for k, v in small_config().items():
+    if k not in ("model", "workdir"):
+      c[k] = v
+  return c
+
+
 def _parity_score(self, ro, answers):
   """A reward with variance in every group of an untrained model: 1 where the first completion token id is even.
 
@@ -378,13 +389,8 @@ def test_llama8b_recipe_says_what_to_download(tmp_path):
 def test_moe_rl_step_with_and_without_the_load_balancing_loss(tmp_path, parity_reward):
   """configs/tiny_moe_fp8.py through the real loop: one engine holds with MoE layers (sampler == trainer), the
   routing statistics are logged, and grpo.router_aux_coef adds coef x the load-balancing loss to the step's loss."""
-  from configs import tiny_moe_fp8  # noqa: PLC0415
-
   def run(coef, sub):
-    c = tiny_moe_fp8.get_config()
-    for k, v in small_config().items():
-      if k not in ("model", "workdir"):
-        c[k] = v
+    c = small_moe_config()
     c.grpo.router_aux_coef = coef
     c.grpo.microbatch = c.grpo.num_prompts * c.grpo.num_generations  # one microbatch: loss = pg + coef * lb exactly
     tr = trainer_lib.RLTrainer(c, str(tmp_path / sub))

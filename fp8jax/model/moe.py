@@ -149,8 +149,13 @@ def expert_rows(p, x_MxD, experts_Mxk, cfg: ModelConfig, lcfg: ops.LinearConfig)
   if lcfg.mesh is not None and lcfg.mesh.size > 1:
     from fp8jax.model import moe_parallel  # noqa: PLC0415  (it imports this module)
     return moe_parallel.expert_rows(p, x_MxD, experts_Mxk, cfg, lcfg)
+  return local_expert_rows(p, x_MxD, experts_Mxk, cfg.n_experts, lcfg)
+
+
+def local_expert_rows(p, x_MxD, experts_Mxk, n_experts: int, lcfg: ops.LinearConfig):
+  """``expert_rows`` with every expert here (one device, or one device's tokens under ``moe_parallel``)."""
   k = experts_Mxk.shape[1]
-  row_A, tile_expert, n_rows = tile_plan(experts_Mxk.reshape(-1), cfg.n_experts)
+  row_A, tile_expert, n_rows = tile_plan(experts_Mxk.reshape(-1), n_experts)
   # The experts' rows live in the grouped GEMM's tile layout from dispatch to combine (one gather in, one out).
   ys = swiglu_tiles(p, _dispatch(x_MxD, row_A, n_rows, k), tile_expert, lcfg)
   return grouped_ref.from_tiles(ys, row_A)

@@ -157,12 +157,10 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 def _device_rows(x_MxD, experts_Mxk, w, *, n_experts: int, ep: int, lcfg: ops.LinearConfig, native: bool):
   """One device's part (inside ``shard_map``): its tokens' assignments' rows (M k, D)."""
+  if ep == 1:  # every expert here, only this device's tokens
+    return moe.local_expert_rows(w, x_MxD, experts_Mxk, n_experts, lcfg)
   k = experts_Mxk.shape[1]
   n_local = n_experts // ep
-  if ep == 1:  # every expert here, only this device's tokens
-    row_A, tile_expert, n_rows = moe.tile_plan(experts_Mxk.reshape(-1), n_experts)
-    return grouped_ref.from_tiles(moe.swiglu_tiles(w, moe._dispatch(x_MxD, row_A, n_rows, k), tile_expert, lcfg),
-                                  row_A)
   experts_G = jax.lax.all_gather(experts_Mxk, AXIS, tiled=True).reshape(-1)  # padding: n_experts
   runner_G = jnp.where(experts_G < n_experts, experts_G // n_local, ep).astype(jnp.int32)
   plan = make_plan(runner_G, experts_Mxk.size, ep)

@@ -22,7 +22,6 @@ its command line, docs/parity.md says how it was run.
 
 from __future__ import annotations
 
-import copy
 import datetime
 import json
 import logging
@@ -33,6 +32,7 @@ import sys
 import jax
 import numpy as np
 
+from fp8jax import config_utils
 from fp8jax.checkpoint import Checkpointer
 from fp8jax.metrics import read_jsonl
 from fp8jax.rl import trainer as trainer_lib
@@ -57,14 +57,8 @@ SMOKE_STEPS, SMOKE_VAL_EVERY = 3, 1
 
 
 def override(config, overrides: dict):
-  """A copy of ``config`` with ``{"group.field": value}`` set; a key the config lacks raises, naming it."""
-  c = copy.deepcopy(config)
-  for key, value in overrides.items():
-    group, field = key.split(".")
-    if group not in c or field not in c[group]:
-      raise KeyError(f"parity: the base config has no key {key!r} (needed by an arm or preset)")
-    c[group][field] = value
-  return c
+  """``config_utils.override`` for the arms and presets."""
+  return config_utils.override(config, overrides, "parity (an arm or preset)")
 
 
 def check_arms(names) -> list[str]:
