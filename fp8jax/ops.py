@@ -17,9 +17,10 @@ type of ``w`` (chosen by the recipe in ``fp8jax.quant``), never on who calls it:
 same three modes); each group's results are bitwise ``linear`` on its rows alone. ``grouped_linear_tiles`` is the
 same op on rows already in the grouped GEMM's tile layout (the MoE block keeps them there). On "pallas" the forward
 and dgrad run the grouped Hopper kernel (``fp8_gemm_mgpu.grouped_fp8_gemm_tiles``, in BF16 mode
-``grouped_bf16_gemm_tiles``); the FP8 wgrad runs the exact reference everywhere, the BF16 wgrad on "pallas" XLA
-dots in tile order; both loop over tile positions (a batched step for all experts) or over tiles, whichever the
-group sizes make cheaper (``grouped_gemm.sum_by_tile``).
+``grouped_bf16_gemm_tiles``), the wgrads the grouped wgrad kernels (``grouped_fp8_wgrad_tiles``,
+``grouped_bf16_wgrad_tiles``: each expert's dW contracted over its own token tiles only). The references ("xla")
+loop over tile positions (a batched step for all experts) or over tiles, whichever the group sizes make cheaper
+(``grouped_gemm.sum_by_tile``).
 
 Outputs are ``cfg.out_dtype`` (BF16 by default). The GEMMs run on a backend: "xla" is the exact block-math
 reference in ``pallas_kernels.fp8_gemm`` (every kernel is tested against it); "pallas" is the Hopper kernel, with
@@ -121,6 +122,16 @@ def _pallas_bf16_gemm():
 def _pallas_grouped_bf16_gemm():
   from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415 (imports Mosaic GPU only when asked for)
   return fp8_gemm_mgpu.grouped_bf16_gemm_tiles
+
+
+def _pallas_grouped_wgrad():
+  from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415 (imports Mosaic GPU only when asked for)
+  return fp8_gemm_mgpu.grouped_fp8_wgrad_tiles
+
+
+def _pallas_grouped_bf16_wgrad():
+  from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415 (imports Mosaic GPU only when asked for)
+  return fp8_gemm_mgpu.grouped_bf16_wgrad_tiles
 
 
 def _kernel_probe(*loaders):
@@ -482,9 +493,15 @@ def _grouped_dgrad(dy_PxN, qw: quant.QWeight, tile_expert_T, k: int, dtype, cfg:
 
 def _grouped_wgrad(dy_PxN, x_PxK, tile_expert_T, num_experts: int, cfg: LinearConfig):
   """dw_e = Q(dy_e^T)[1x128 over tokens] . Q(x_e^T)[1x128 over tokens], token groups from group e's first row
-  (a tile boundary: every tile belongs to one group)."""
-  aq, as_ = quant.quantize_act_t(dy_PxN, cfg.pow2_scales)
-  bq, bs = quant.quantize_act_t(x_PxK, cfg.pow2_scales)
+  (a tile boundary: every tile belongs to one group) -> (E, N, K) FP32: the grouped wgrad kernel on "pallas"
+  (N and K zero-padded to 128 there), else the reference (the same per-block math and order)."""
+  aq, as_ = quantize_act_t(dy_PxN, cfg.pow2_scales, cfg.backend)
+  bq, bs = quantize_act_t(x_PxK, cfg.pow2_scales, cfg.backend)
+  if resolve_backend(cfg.backend) == "pallas":
+    n, k = dy_PxN.shape[1], x_PxK.shape[1]
+    pad = lambda q, s: (quant.pad_k(q, 0), quant.pad_k(s, 0))  # noqa: E731 (zero rows: zero dW rows, sliced off)
+    dw = _pallas_grouped_wgrad()(*pad(aq, as_), *pad(bq, bs), tile_expert_T, num_experts=num_experts)
+    return dw[:, :n, :k]
   return grouped_ref.grouped_wgrad_tiles(aq, as_, bq, bs, tile_expert_T, num_experts)
 
 
@@ -546,7 +563,8 @@ def _grouped_bf16(x_PxK, w_ExNxK, tile_expert_T, cfg: LinearConfig):
   "xla" dx and dw are, per group, bitwise the dense BF16 ``linear``'s autodiff; on "pallas" the forward and dx run
   the grouped kernel (per group bitwise the dense kernel's rows) and dw adds each tile's FP32 product in tile order
   (``grouped_gemm.dot_tiles_wgrad_by_tile``: about one dense wgrad's work when routing is balanced, where the
-  reference's costs E)."""
+  reference's costs E); with the grouped BF16 wgrad kernel where there is one (both within FP32 rounding of the
+  reference's one dot per group)."""
   y = _grouped_bf16_gemm(x_PxK.astype(jnp.bfloat16), w_ExNxK.astype(jnp.bfloat16), tile_expert_T, cfg)
   return y.astype(cfg.out_dtype)
 
@@ -562,8 +580,11 @@ def _grouped_bf16_bwd(cfg, res, dy_PxN):
   if resolve_bf16_backend(cfg.backend) == "pallas":
     # dy in BF16 for the tensor cores, as the dense kernel's VJP (exact for BF16 outputs)
     dx = _grouped_bf16_gemm(ct.astype(jnp.bfloat16), jnp.swapaxes(wb, 1, 2), tile_expert_T, cfg)
-    # rounded to BF16 as the reference's dw (and the dense kernel's VJP) is, before the master's dtype
-    dw = grouped_ref.dot_tiles_wgrad_by_tile(ct, xb, tile_expert_T, w_ExNxK.shape[0]).astype(jnp.bfloat16)
+    # dy in BF16 as for dx (the dense kernel's VJP does the same), dw rounded to BF16 as the reference's dw (and the
+    # dense kernel's VJP) is, before the master's dtype
+    n, k = dy_PxN.shape[1], x_PxK.shape[1]
+    dw = _pallas_grouped_bf16_wgrad()(quant.pad_k(ct.astype(jnp.bfloat16)).T, quant.pad_k(xb).T, tile_expert_T,
+                                      num_experts=w_ExNxK.shape[0])[:, :n, :k].astype(jnp.bfloat16)
   else:
     dx = grouped_ref.dot_tiles_dgrad(ct, wb, tile_expert_T)
     dw = grouped_ref.dot_tiles_wgrad(ct, xb, tile_expert_T, w_ExNxK.shape[0])

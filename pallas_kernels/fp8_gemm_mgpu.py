@@ -9,6 +9,10 @@ Operands and math are those of ``pallas_kernels.fp8_gemm`` (read its docstring):
 * ``bf16_gemm``: A BF16 (M, K), B BF16 stored (N, K) (the K-major transposed SMEM view, as in FP8 mode), FP32
   accumulation; reference ``fp8_gemm.bf16_gemm_reference``. The BF16 linears and the lm_head of ``fp8jax.ops``.
   ``grouped_bf16_gemm_tiles``: its grouped mode (B stacked (E, N, K), A in the tile layout), the BF16 experts.
+* ``grouped_fp8_wgrad_tiles`` / ``grouped_bf16_wgrad_tiles`` (the experts' weight gradients): the wgrad mode (FP8
+  with row scales, or BF16) where K is the tile buffer's tokens and expert e's output block contracts only over its
+  own 128-token tiles: a pipeline of a dynamic number of steps per output tile. Reference
+  ``grouped_gemm.grouped_wgrad_tiles`` (FP8) / ``dot_tiles_wgrad_by_tile`` (BF16).
 
 Kernel structure (the DeepGEMM recipe, DeepSeek-V3 report sec. 3.3.2 "increasing accumulation precision", written
 from scratch on the Pallas primitives; jax's ``hopper_matmul_mgpu.py`` shows the warp-specialized pattern):
@@ -263,19 +267,24 @@ def _swizzled(shape_minor_bytes: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(*refs, cfg: TuningConfig, row_scales: bool, num_experts: int = 0):
-  """Refs: a (Mp, K), b (N, K), [as (Kb, Mp) f32, bs (Kb, 32*Nb | N) f32,] [tile_expert (Mp/128,) i32,] out (Mp, N),
-  out_smem.
+def _kernel(*refs, cfg: TuningConfig, row_scales: bool, num_experts: int = 0, wgrad_experts: int = 0):
+  """Refs: a (Mp, K), b (N, K), [as (Kb, Mp) f32, bs (Kb, 32*Nb | N) f32,] [tile_expert (Mp/128,) i32 |
+  first, count (E,) i32,] out (Mp | E*Mp, N), out_smem.
 
   With the two scale refs: FP8 mode (E4M3 operands, a fresh wgmma accumulator per K block, FP32 promotion).
   Without: BF16 mode (BF16 operands, one wgmma accumulator over all of K, no promotion).
   With ``num_experts`` (grouped mode; FP8 with tile scales, or BF16): b is the experts' weights stacked (E*N, K), bs
   (FP8) their replicated tile scales side by side (Kb, E*32*Nb), and the last input maps each 128-row tile of A to
   its expert; a tile's B (and B-scale) loads start at its expert's block, everything else is the dense kernel.
+  With ``wgrad_experts`` = E (grouped wgrad; FP8 with row scales, or BF16): K is the tokens of the tile buffer and
+  expert e's output rows e*Mp.. contract only over its own 128-token tiles ``first[e] .. first[e] + count[e]`` (a
+  pipeline of ``count[e]`` steps: a dynamic grid); an expert with no tiles gets zeros.
   """
   *in_gmem, out_gmem, out_smem = refs
   if num_experts:
     *in_gmem, tile_expert_gmem = in_gmem
+  if wgrad_experts:
+    *in_gmem, first_gmem, count_gmem = in_gmem
   a_gmem, b_gmem, *scale_gmem = in_gmem
   scaled = bool(scale_gmem)
   mp, k = a_gmem.shape
@@ -284,22 +293,25 @@ def _kernel(*refs, cfg: TuningConfig, row_scales: bool, num_experts: int = 0):
   cta_m, cta_n, wg_n, kb = cfg.cta_m, cfg.cta_n, cfg.wg_n, cfg.k_blocks
   bk = _block_k(a_gmem.dtype)
   m_iters, n_iters, k_steps = mp // cta_m, n // (cta_n * cfg.cluster_size), k // (bk * kb)
+  if wgrad_experts:
+    m_iters *= wgrad_experts
   transforms = _swizzled(_K_BLOCK_BYTES, a_gmem.dtype.itemsize)  # 128 B rows -> 128 B swizzle
   # Columns of bs a CTA needs: its own (row scales) or the replicated scale of each 128-wide block it touches.
   bs_cols = cta_n if row_scales else _SCALE_REP * max(1, cta_n // BLOCK)
 
-  def get_pipeline(body, compute_context, pipeline_state=None):
+  def get_pipeline(body, compute_context, pipeline_state=None, steps=k_steps, k0=0):
+    """The K pipeline over ``steps`` steps from step ``k0`` (both traced in grouped-wgrad mode)."""
     specs = [
-        plgpu.BlockSpec((cta_m, kb * bk), lambda kk: (0, kk), transforms=transforms,
+        plgpu.BlockSpec((cta_m, kb * bk), lambda kk: (0, k0 + kk), transforms=transforms,
                         memory_space=plgpu.SMEM, collective_axes=("cluster",) if cfg.cluster_n else ()),
-        plgpu.BlockSpec((cta_n, kb * bk), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM),
+        plgpu.BlockSpec((cta_n, kb * bk), lambda kk: (0, k0 + kk), transforms=transforms, memory_space=plgpu.SMEM),
     ]
     if scaled:
-      specs += [plgpu.BlockSpec((kb, cta_m), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((kb, bs_cols), lambda kk: (kk, 0), memory_space=plgpu.SMEM)]
+      specs += [plgpu.BlockSpec((kb, cta_m), lambda kk: (k0 + kk, 0), memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((kb, bs_cols), lambda kk: (k0 + kk, 0), memory_space=plgpu.SMEM)]
     return plgpu.emit_pipeline_warp_specialized(
         body,
-        grid=(k_steps,),
+        grid=(steps,),
         memory_registers=40 if cfg.num_wgs == 2 else 32,  # 3 consumers: (512 - 32) / 3 -> 160 registers each
         in_specs=specs,
         wg_axis="wg",
@@ -333,6 +345,14 @@ def _kernel(*refs, cfg: TuningConfig, row_scales: bool, num_experts: int = 0):
       m0 = m_idx * cta_m
       n0 = n_idx * cta_n
       b_row0 = n0
+      out_row0, steps, k0 = m0, k_steps, 0
+      if wgrad_experts:  # grouped wgrad: rows of expert e's output, contracted over its own token tiles only
+        per_expert = mp // cta_m
+        expert = lax.div(m_idx, per_expert)
+        m0 = lax.rem(m_idx, per_expert) * cta_m
+        out_row0 = expert * mp + m0
+        steps_per_tile = BLOCK // (bk * kb)  # pipeline steps per 128-token tile
+        steps, k0 = count_gmem[expert] * steps_per_tile, first_gmem[expert] * steps_per_tile
       if num_experts:  # grouped mode: the tile's expert (ids >= E: an unused tile, all zero rows)
         tile_id = tile_expert_gmem[lax.div(m0, BLOCK)]
         expert = jnp.minimum(tile_id, num_experts - 1)
@@ -362,7 +382,7 @@ def _kernel(*refs, cfg: TuningConfig, row_scales: bool, num_experts: int = 0):
         out_smem[wg] = acc.astype(out_dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
-            out_smem.at[wg], out_gmem.at[pl.ds(m0 + wg_m_off, WG_M), pl.ds(n0 + wg_n_off, wg_n)])
+            out_smem.at[wg], out_gmem.at[pl.ds(out_row0 + wg_m_off, WG_M), pl.ds(n0 + wg_n_off, wg_n)])
 
       tile_gmem = [a_gmem.at[pl.ds(m0, cta_m)], b_gmem.at[pl.ds(b_row0, cta_n)]]
       if scaled:
@@ -372,8 +392,15 @@ def _kernel(*refs, cfg: TuningConfig, row_scales: bool, num_experts: int = 0):
         tile_gmem += [scale_gmem[0].at[:, pl.ds(m0, cta_m)], scale_gmem[1].at[:, pl.ds(scale_tile, bs_cols)]]
       else:
         body, compute_context = _bf16_step(operands, epilogue, cfg)
-      run_tile = lambda: get_pipeline(body, compute_context, pipeline_state)(*tile_gmem, allocations=allocs)
-      if num_experts and not cfg.cross_tile:
+      run_tile = lambda: get_pipeline(body, compute_context, pipeline_state, steps, k0)(*tile_gmem,
+                                                                                         allocations=allocs)
+      if wgrad_experts:  # an expert without tokens: its dW rows are zeros, no pipeline
+        pl.when(steps > 0)(run_tile)
+
+        @pl.when((steps == 0) & (wg < cfg.num_wgs))
+        def _zeros():
+          epilogue(plgpu.layout_cast(jnp.zeros((WG_M, wg_n), jnp.float32), plgpu.Layout.WGMMA))
+      elif num_experts and not cfg.cross_tile:
         # Grouped mode, one pipeline per tile: unused tiles are skipped (their rows of C are left unwritten).
         # Across tiles the pipeline's START/STOP steps need every tile, so there they run (with zero rows: zeros).
         pl.when(tile_id < num_experts)(run_tile)
@@ -485,12 +512,13 @@ def _resolve(cfg: TuningConfig, m: int, n: int, k: int, out_dtype, row_scales: b
 
 
 def _launch(*operands, cfg: TuningConfig, row_scales: bool, mp: int, n: int, out_dtype, grid: int, interpret: bool,
-            kernel_name: str, num_experts: int = 0):
+            kernel_name: str, num_experts: int = 0, wgrad_experts: int = 0):
   """Runs ``_kernel`` on (Mp, .) operands -> (Mp, N) ``out_dtype``."""
   out_smem_type = plgpu.SMEM((cfg.num_wgs, WG_M, cfg.wg_n), out_dtype,
                              transforms=_swizzled(cfg.wg_n * out_dtype.itemsize, out_dtype.itemsize))
   kernel = plgpu.kernel(
-      functools.partial(_kernel, cfg=cfg, row_scales=row_scales, num_experts=num_experts),
+      functools.partial(_kernel, cfg=cfg, row_scales=row_scales, num_experts=num_experts,
+                        wgrad_experts=wgrad_experts),
       out_type=jax.ShapeDtypeStruct((mp, n), out_dtype),
       scratch_types=[out_smem_type],
       grid=(grid,),
@@ -637,6 +665,97 @@ def grouped_bf16_gemm_tiles(a_PxK, b_ExNxK, tile_expert_T, *, out_dtype=jnp.floa
   return _launch(a_PxK, b_ExNxK.reshape(e * n, k), tile_expert_T.astype(jnp.int32), cfg=cfg, row_scales=False, mp=p,
                  n=n, out_dtype=out_dtype, grid=grid, interpret=interpret, kernel_name="fp8jax_grouped_bf16_gemm",
                  num_experts=e)
+
+
+def _group_ranges(tile_expert_T, num_experts: int):
+  """Each expert's first tile and tile count in the tile buffer (tiles are sorted by expert; ids >= E unused)."""
+  te = tile_expert_T.astype(jnp.int32)
+  count = jnp.bincount(jnp.minimum(te, num_experts), length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  first = jnp.searchsorted(te, jnp.arange(num_experts, dtype=jnp.int32), side="left").astype(jnp.int32)
+  return first, count
+
+
+def _wgrad_config(cfg: TuningConfig | None, n_out: int) -> TuningConfig:
+  """Grouped wgrad's config: one K block per step (a tile's token blocks are the pipeline), one pipeline per output
+  tile (the dynamic grids allow no cross-tile pipeline), no clusters, two consumer warpgroups."""
+  if cfg is None:
+    cfg = TuningConfig("m", 128, 4)
+  if cfg.cross_tile or cfg.cluster_n or cfg.num_wgs != 2 or cfg.k_blocks != 1:
+    raise ValueError(f"grouped wgrad: the config must have cross_tile=False, cluster_n=False, num_wgs=2 and "
+                     f"k_blocks=1 (dynamic per-expert pipelines), got {cfg}")
+  if n_out % cfg.cta_n:
+    raise ValueError(f"grouped wgrad: K = {n_out} (dW's columns) is not a multiple of the CTA width {cfg.cta_n} "
+                     f"of {cfg}")
+  return cfg
+
+
+def _validate_wgrad(name, a_NxP, b_KxP, tile_expert_T, dtype):
+  for what, t in (("A (dy^T)", a_NxP), ("B (x^T)", b_KxP)):
+    if t.ndim != 2 or t.dtype != dtype or t.shape[0] % BLOCK:
+      raise ValueError(f"{name}: {what} must be 2-D {jnp.dtype(dtype).name} (rows, tokens) with rows a multiple of "
+                       f"{BLOCK}, got {t.dtype} {tuple(t.shape)}")
+  p = a_NxP.shape[1]
+  if b_KxP.shape[1] != p or p % BLOCK or tile_expert_T.shape != (p // BLOCK,) or not jnp.issubdtype(
+      tile_expert_T.dtype, jnp.integer):
+    raise ValueError(f"{name}: A and B must share the token axis P (a multiple of {BLOCK}) with one integer expert "
+                     f"id per {BLOCK}-token tile; got A {tuple(a_NxP.shape)}, B {tuple(b_KxP.shape)}, tile_expert "
+                     f"{tuple(tile_expert_T.shape)} {tile_expert_T.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts", "out_dtype", "config", "interpret", "num_sms"))
+def grouped_fp8_wgrad_tiles(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, *, num_experts: int,
+                            out_dtype=jnp.float32, config: TuningConfig | None = None, interpret: bool = False,
+                            num_sms: int | None = None):
+  """Grouped FP8 wgrad: dW_e = A[:, tiles of e] . B[:, tiles of e]^T -> (E, N, K) ``out_dtype``.
+
+  Operands are ``grouped_gemm.grouped_wgrad_tiles``' (reference): dy^T and x^T of the tile buffer, E4M3 and
+  quantized 1x128 over tokens (``quant.quantize_act_t``): ``a_q_NxP`` (N, P) + scales (N, P/128), ``b_q_KxP``
+  (K, P) + scales (K, P/128); ``tile_expert_T`` (P/128,) the tiles' experts, sorted (>= E: unused, never read).
+
+  The dense kernel's wgrad mode (row scales) with one output tile per (expert, 128 x cta_n block) and a pipeline
+  over that expert's tiles only: each output element goes through the dense promotion chain (module docstring, item
+  3) over the expert's 128-token blocks in increasing token order, so dW_e does not depend on the other groups or
+  on where the group sits; the same per-block math and order as the reference (equal to it within the wgmma's
+  in-block summation: <= 1e-3 relative on the GPU, bitwise in interpret mode on exact operands). Experts without
+  tokens get zeros."""
+  _validate_wgrad("grouped_fp8_wgrad", a_q_NxP, b_q_KxP, tile_expert_T, jnp.float8_e4m3fn)
+  (n, p), k = a_q_NxP.shape, b_q_KxP.shape[0]
+  if a_s_NxT.shape != (n, p // BLOCK) or b_s_KxT.shape != (k, p // BLOCK):
+    raise ValueError(f"grouped_fp8_wgrad: scales must be 1x128 over tokens, (N, P/128) = {(n, p // BLOCK)} and "
+                     f"(K, P/128) = {(k, p // BLOCK)}; got {tuple(a_s_NxT.shape)} and {tuple(b_s_KxT.shape)}")
+  out_dtype = _out_dtype(out_dtype, "grouped_fp8_wgrad")
+  num_sms = num_sms or (4 if interpret else _num_sms())
+  cfg = _wgrad_config(config, k)
+  cfg, _, grid = _resolve(cfg, num_experts * n, k, p, out_dtype, True, num_sms, interpret, a_q_NxP.dtype,
+                          "grouped_fp8_wgrad")
+  first, count = _group_ranges(tile_expert_T, num_experts)
+  out = _launch(a_q_NxP, b_q_KxP, a_s_NxT.astype(jnp.float32).T, b_s_KxT.astype(jnp.float32).T, first, count,
+                cfg=cfg, row_scales=True, mp=num_experts * n, n=k, out_dtype=out_dtype, grid=grid,
+                interpret=interpret, kernel_name="fp8jax_grouped_fp8_wgrad", wgrad_experts=num_experts)
+  return out.reshape(num_experts, n, k)
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts", "out_dtype", "config", "interpret", "num_sms"))
+def grouped_bf16_wgrad_tiles(a_NxP, b_KxP, tile_expert_T, *, num_experts: int, out_dtype=jnp.float32,
+                             config: TuningConfig | None = None, interpret: bool = False, num_sms: int | None = None):
+  """Grouped BF16 wgrad: dW_e = A[:, tiles of e] . B[:, tiles of e]^T -> (E, N, K), FP32 accumulation.
+
+  A = dy^T (N, P), B = x^T (K, P) of the tile buffer in BF16, N and K multiples of 128. Each output element is one
+  FP32 wgmma accumulation over expert e's tokens in increasing order (BF16 mode, module docstring, item 3b), from
+  zero, never split: deterministic and independent of the other groups. Reference
+  ``grouped_gemm.dot_tiles_wgrad_by_tile`` (FP32 per-tile products added in tile order: equal within FP32
+  rounding, not bitwise)."""
+  _validate_wgrad("grouped_bf16_wgrad", a_NxP, b_KxP, tile_expert_T, jnp.bfloat16)
+  (n, p), k = a_NxP.shape, b_KxP.shape[0]
+  out_dtype = _out_dtype(out_dtype, "grouped_bf16_wgrad")
+  num_sms = num_sms or (4 if interpret else _num_sms())
+  cfg = _wgrad_config(config, k)
+  cfg, _, grid = _resolve(cfg, num_experts * n, k, p, out_dtype, False, num_sms, interpret, a_NxP.dtype,
+                          "grouped_bf16_wgrad")
+  first, count = _group_ranges(tile_expert_T, num_experts)
+  out = _launch(a_NxP, b_KxP, first, count, cfg=cfg, row_scales=False, mp=num_experts * n, n=k, out_dtype=out_dtype,
+                grid=grid, interpret=interpret, kernel_name="fp8jax_grouped_bf16_wgrad", wgrad_experts=num_experts)
+  return out.reshape(num_experts, n, k)
 
 
 def _validate_bf16(a, b):

@@ -217,9 +217,9 @@ def _interpreted(kernel_fn):
 @cpu_only
 @pytest.mark.parametrize("kind", ["fp8_master", "qweight"])
 def test_grouped_kernel_on_pallas_matches_reference(monkeypatch, kind):
-  """The "pallas" backend: forward and dgrad on the grouped Mosaic kernel (here in interpret mode), the wgrad on the
-  reference, bitwise the reference path. Small integers with power-of-two scales keep every sum exact, so
-  the interpreter's summation order cannot show (the GPU bits: tests/test_grouped_kernel.py)."""
+  """The "pallas" backend: forward and dgrad on the grouped Mosaic kernel, the master's wgrad on the grouped wgrad
+  kernel (here both in interpret mode), bitwise the reference path. Small integers with power-of-two scales keep
+  every sum exact, so the interpreter's summation order cannot show (the GPU bits: tests/test_grouped_kernel.py)."""
   from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415
 
   x = rand(12, (M, K), 3.0).round().astype(jnp.bfloat16)
@@ -229,27 +229,38 @@ def test_grouped_kernel_on_pallas_matches_reference(monkeypatch, kind):
   xla, pallas = ops.LinearConfig(pow2_scales=True, backend="xla"), ops.LinearConfig(pow2_scales=True)
   wq = WRAP[kind](w)
   # jitted: op by op, the interpreted kernel and the quantizers around it ran for 25+ min on 2 cores (CI, 2026-12-02)
-  run = lambda cfg: jax.jit(lambda x, dy: (lambda y, vjp: (y, vjp(dy)[0]))(
-      *jax.vjp(lambda x: ops.grouped_linear(x, wq, sizes, cfg), x)))(x, dy)
-  y_ref, dx_ref = run(xla)
+  if kind == "fp8_master":  # (x, w) -> (y, dx, dw)
+    run = lambda cfg: jax.jit(lambda x, wq, dy: (lambda y, vjp: (y, *vjp(dy)))(
+        *jax.vjp(lambda x, wq: ops.grouped_linear(x, wq, sizes, cfg), x, wq)))(x, wq, dy)
+  else:  # a frozen QWeight: (y, dx, no dw)
+    run = lambda cfg: jax.jit(lambda x, dy: (lambda y, vjp: (y, vjp(dy)[0], None))(
+        *jax.vjp(lambda x: ops.grouped_linear(x, wq, sizes, cfg), x)))(x, dy)
+  y_ref, dx_ref, dw_ref = run(xla)
   calls, kernel = _interpreted(fp8_gemm_mgpu.grouped_fp8_gemm_tiles)
+  wcalls, wkernel = _interpreted(fp8_gemm_mgpu.grouped_fp8_wgrad_tiles)
   monkeypatch.setattr(ops, "resolve_backend", lambda requested: "pallas")
   monkeypatch.setattr(ops, "_pallas_grouped_gemm", lambda: kernel)
+  monkeypatch.setattr(ops, "_pallas_grouped_wgrad", lambda: wkernel)
   monkeypatch.setattr(ops, "_pallas_quant", lambda: quant)  # the quantizer itself (the kernels' bits)
-  y, dx = run(pallas)
+  y, dx, dw = run(pallas)
   p = grouped_gemm.padded_rows(M, E)
   assert calls == [(p, K), (p, N)]  # forward, dgrad, on the tile buffer
+  # the master's wgrad: dy^T (N padded to 128) on the tile buffer's tokens; a frozen QWeight has none
+  assert wcalls == ([(384, p)] if kind == "fp8_master" else [])
   assert np.any(bits(y)) and np.any(bits(dx))
   np.testing.assert_array_equal(bits(y), bits(y_ref))
   np.testing.assert_array_equal(bits(dx), bits(dx_ref))
+  if kind == "fp8_master":
+    assert np.any(bits(dw.w))
+    np.testing.assert_array_equal(bits(dw.w), bits(dw_ref.w))
 
 
 @cpu_only
 def test_bf16_grouped_kernel_on_pallas_matches_reference(monkeypatch):
-  """BF16 mode on "pallas": forward and dgrad on the grouped kernel in BF16 mode (interpret), dw by the per-tile loop
-  (``dot_tiles_wgrad_by_tile``); small integers keep every sum exact, so all three are bitwise the reference path
-  (the GPU bits: tests/test_grouped_kernel.py). With random operands the per-tile dw is within FP32 rounding of the
-  reference's one dot per group."""
+  """BF16 mode on "pallas": forward and dgrad on the grouped kernel in BF16 mode, dw on the grouped BF16 wgrad kernel
+  (both interpret); small integers keep every sum exact, so all three are bitwise the reference path (the GPU bits:
+  tests/test_grouped_kernel.py). With random operands the per-tile dw loop (``dot_tiles_wgrad_by_tile``, the
+  kernel's reference) is within FP32 rounding of the reference's one dot per group."""
   from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415
 
   x = rand(22, (M, K), 3.0).round().astype(jnp.bfloat16)
@@ -260,11 +271,14 @@ def test_bf16_grouped_kernel_on_pallas_matches_reference(monkeypatch):
       *jax.vjp(lambda x, w: ops.grouped_linear(x, w, sizes, cfg), x, w)))(x, w, dy)
   ref = run(ops.LinearConfig(backend="xla"))
   calls, kernel = _interpreted(fp8_gemm_mgpu.grouped_bf16_gemm_tiles)
+  wcalls, wkernel = _interpreted(fp8_gemm_mgpu.grouped_bf16_wgrad_tiles)
   monkeypatch.setattr(ops, "resolve_bf16_backend", lambda requested: "pallas")
   monkeypatch.setattr(ops, "_pallas_grouped_bf16_gemm", lambda: kernel)
+  monkeypatch.setattr(ops, "_pallas_grouped_bf16_wgrad", lambda: wkernel)
   got = run(ops.LinearConfig(backend="pallas"))
   p = grouped_gemm.padded_rows(M, E)
   assert calls == [(p, K), (p, N)]  # forward, dgrad, on the tile buffer
+  assert wcalls == [(384, p)]  # wgrad: dy^T (N padded to 128) on the tile buffer's tokens
   for name, a, b in zip(("y", "dx", "dw"), got, ref):
     assert np.any(bits(a)), name
     np.testing.assert_array_equal(bits(a), bits(b), err_msg=name)

@@ -322,3 +322,170 @@ def test_gpu_bf16_matches_reference_and_dense_per_group(name):
   for g, rows in (groups[i] for i in sorted({0, len(groups) // 2, len(groups) - 1})):
     dense = mgpu.bf16_gemm(a[rows], b[g], out_dtype=jnp.float32)
     np.testing.assert_array_equal(out[rows], np.asarray(dense), err_msg=f"group {g} ({sizes[g]} rows)")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Grouped wgrad (FP8 and BF16): dW_e = A[:, tiles of e] . B[:, tiles of e]^T over the tile buffer's tokens
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _wgrad_operands(seed, sizes, n, k, exact=False, dtype=jnp.float8_e4m3fn):
+  """A (n, P) and B (k, P) over the tile buffer's P tokens of ``sizes`` (+ 5 rows past the groups), with 1x128
+  scales over tokens in FP8 mode, and the tile map. Every token column holds values, also those of unused tiles
+  and of the zero rows between groups (they must never be read: the real buffer has zeros there)."""
+  m = int(sum(sizes)) + 5
+  _, tile_expert = grouped_gemm.layout(jnp.asarray(sizes, jnp.int32), m)
+  p = grouped_gemm.padded_rows(m, len(sizes))
+  k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+  if exact:  # small integers with power-of-two scales: every FP32 sum exact
+    a = jax.random.randint(k1, (n, p), -8, 9).astype(dtype)
+    b = jax.random.randint(k2, (k, p), -8, 9).astype(dtype)
+    a_s = jnp.exp2(jax.random.randint(k3, (n, p // 128), -4, 4).astype(jnp.float32))
+    b_s = jnp.exp2(jax.random.randint(k4, (k, p // 128), -4, 4).astype(jnp.float32))
+  else:
+    a = (3 * jax.random.normal(k1, (n, p))).astype(dtype)
+    b = (3 * jax.random.normal(k2, (k, p))).astype(dtype)
+    a_s = jnp.exp2(jax.random.uniform(k3, (n, p // 128), minval=-8, maxval=-2))
+    b_s = jnp.exp2(jax.random.uniform(k4, (k, p // 128), minval=-8, maxval=-2))
+  return a, a_s, b, b_s, tile_expert
+
+
+def _tile_cols(tile_expert, e):
+  """Token columns of group e's tiles (a slice: a group's tiles are contiguous)."""
+  t = np.flatnonzero(np.asarray(tile_expert) == e)
+  return slice(int(t[0]) * 128, (int(t[-1]) + 1) * 128) if t.size else None
+
+
+WGRAD_CASES = [(130, 0, 1, 140), (0, 256, 0), (0, 0, 70), (1, 0)]
+
+
+@pytest.mark.parametrize("sizes", WGRAD_CASES, ids=str)
+def test_interpret_wgrad_bitwise_reference_and_dense_per_group(sizes):
+  """Exact operands: bitwise ``grouped_wgrad_tiles`` (the reference), each dW_e bitwise the dense kernel's wgrad
+  (row-scale mode) over group e's token columns alone, zeros for empty groups; unused tiles are not read."""
+  e, n, k = len(sizes), 256, 128
+  a, a_s, b, b_s, tile_expert = _wgrad_operands(len(sizes), sizes, n, k, exact=True)
+  out = mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=e, interpret=True)
+  assert out.shape == (e, n, k) and out.dtype == jnp.float32
+  ref = grouped_gemm.grouped_wgrad_tiles(a, a_s, b, b_s, tile_expert, e)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+  for g in range(e):
+    cols = _tile_cols(tile_expert, g)
+    if cols is None:
+      assert not np.asarray(out[g]).any(), f"empty group {g}"
+      continue
+    tc = slice(cols.start // 128, cols.stop // 128)
+    dense = mgpu.fp8_gemm(a[:, cols], a_s[:, tc], b[:, cols], b_s[:, tc], out_dtype=jnp.float32, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out[g]), np.asarray(dense), err_msg=f"group {g}")
+    assert np.asarray(out[g]).any()
+
+
+def test_interpret_wgrad_random_operands_configs_and_traced_sizes():
+  """Random operands within the FP32 bound of the reference; every config the same bits; one compilation for any
+  group sizes (traced tile map)."""
+  sizes, n, k = (3, 129, 0, 100), 384, 256
+  a, a_s, b, b_s, tile_expert = _wgrad_operands(9, sizes, n, k)
+  ref = grouped_gemm.grouped_wgrad_tiles(a, a_s, b, b_s, tile_expert, len(sizes))
+  out = mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=4, interpret=True)
+  assert _rel_err(out, ref) <= 1e-6
+  for cfg in (T("m", 64, 2), T("n", 32, 3), T("n", 64, 2)):
+    got = mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=4, config=cfg, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(out), err_msg=str(cfg))
+  bf16 = mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=4, out_dtype=jnp.bfloat16,
+                                      interpret=True)
+  assert bf16.dtype == jnp.bfloat16 and _rel_err(bf16, ref) <= 5e-3
+  f = jax.jit(functools.partial(mgpu.grouped_fp8_wgrad_tiles, num_experts=4, interpret=True))
+  p = a.shape[1]
+  for other in ((p - 5, 0, 0, 0), (0, 0, 0, 0), (100, 100, 100, p - 305)):
+    _, te = grouped_gemm.layout(jnp.asarray(other, jnp.int32), p - 5)
+    te = te[: p // 128]  # the same P (tiles past it dropped: any sorted tile map is a valid input)
+    np.testing.assert_array_equal(np.asarray(f(a, a_s, b, b_s, te)), np.asarray(
+        grouped_gemm.grouped_wgrad_tiles(a, a_s, b, b_s, te, 4)), err_msg=str(other))
+  assert f._cache_size() == 1
+
+
+@pytest.mark.parametrize("sizes", [(130, 0, 1, 140), (0, 0, 70)], ids=str)
+def test_interpret_bf16_wgrad_bitwise_reference(sizes):
+  """BF16 mode on exact operands: bitwise the per-tile FP32 loop (``dot_tiles_wgrad_by_tile``) and the dense BF16
+  kernel over the group's columns; empty groups zeros."""
+  e, n, k = len(sizes), 256, 128
+  a, _, b, _, tile_expert = _wgrad_operands(3, sizes, n, k, exact=True, dtype=jnp.bfloat16)
+  out = mgpu.grouped_bf16_wgrad_tiles(a, b, tile_expert, num_experts=e, interpret=True)
+  ref = grouped_gemm.dot_tiles_wgrad_by_tile(a.T.astype(jnp.float32), b.T, tile_expert, e)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+  for g in range(e):
+    cols = _tile_cols(tile_expert, g)
+    if cols is not None:
+      dense = mgpu.bf16_gemm(a[:, cols], b[:, cols], out_dtype=jnp.float32, interpret=True)
+      np.testing.assert_array_equal(np.asarray(out[g]), np.asarray(dense), err_msg=f"group {g}")
+    else:
+      assert not np.asarray(out[g]).any()
+
+
+def test_wgrad_errors_name_shapes():
+  a, a_s, b, b_s, tile_expert = _wgrad_operands(0, (10, 20), 256, 128)
+  with pytest.raises(ValueError, match="cross_tile=False"):
+    mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=2, config=T("m", 128, 2, cross_tile=True))
+  with pytest.raises(ValueError, match=r"1x128 over tokens, \(N, P/128\) = \(256, 3\)"):
+    mgpu.grouped_fp8_wgrad_tiles(a, a_s[:, :2], b, b_s, tile_expert, num_experts=2)
+  with pytest.raises(ValueError, match="share the token axis"):
+    mgpu.grouped_fp8_wgrad_tiles(a, a_s, b[:, :256], b_s, tile_expert, num_experts=2)
+  with pytest.raises(ValueError, match=r"B \(x\^T\) must be 2-D float8_e4m3fn"):
+    mgpu.grouped_fp8_wgrad_tiles(a, a_s, b.astype(jnp.bfloat16), b_s, tile_expert, num_experts=2)
+  with pytest.raises(ValueError, match="rows a multiple of 128"):
+    mgpu.grouped_bf16_wgrad_tiles(a[:100].astype(jnp.bfloat16), b.astype(jnp.bfloat16), tile_expert, num_experts=2)
+  with pytest.raises(ValueError, match="K = 384 .* not a multiple of the CTA width 256"):
+    mgpu.grouped_bf16_wgrad_tiles(a.astype(jnp.bfloat16), jnp.concatenate([b] * 3).astype(jnp.bfloat16),
+                                  tile_expert, num_experts=2, config=T("n", 128, 2))
+
+
+@pytest.mark.parametrize("tokens", [256, 8192])
+@pytest.mark.parametrize("name", list(QWEN3_MOE))
+def test_wgrad_lowers_for_cuda_qwen3_moe_shapes(tokens, name):
+  n, k = QWEN3_MOE[name]
+  p = grouped_gemm.padded_rows(tokens * 8, QWEN3_E)
+  S = jax.ShapeDtypeStruct
+  te = S((p // 128,), jnp.int32)
+  f8 = functools.partial(mgpu.grouped_fp8_wgrad_tiles, num_experts=QWEN3_E, num_sms=132)
+  assert "mosaic_gpu" in _lower_cuda(f8, S((n, p), jnp.float8_e4m3fn), S((n, p // 128), jnp.float32),
+                                     S((k, p), jnp.float8_e4m3fn), S((k, p // 128), jnp.float32), te)
+  bf = functools.partial(mgpu.grouped_bf16_wgrad_tiles, num_experts=QWEN3_E, num_sms=132)
+  assert "mosaic_gpu" in _lower_cuda(bf, S((n, p), jnp.bfloat16), S((k, p), jnp.bfloat16), te)
+
+
+WGRAD_GPU_CONFIGS = [T("m", 128, 4), T("m", 128, 2), T("m", 64, 4), T("n", 64, 4), T("n", 32, 4)]
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("name", list(QWEN3_MOE))
+@pytest.mark.parametrize("skew", [0.0, 1.2])
+def test_gpu_wgrad_matches_reference_dense_and_configs(name, skew):
+  """The real grouped wgrad kernels: FP8 within 1e-3 of the reference (FP32 out), each dW_e bitwise the dense
+  kernel's wgrad over the group's columns (the invariance contract), every config the same bits; BF16 within 1e-5
+  of the per-tile FP32 loop, configs bitwise."""
+  n, k = QWEN3_MOE[name]
+  sizes = tuple(int(s) for s in grouped_gemm.routing_sizes(1024, 8, QWEN3_E, skew))
+  a, a_s, b, b_s, tile_expert = _wgrad_operands(7, sizes, n, k)
+  e = len(sizes)
+  ref = grouped_gemm.grouped_wgrad_tiles(a, a_s, b, b_s, tile_expert, e)
+  out = np.asarray(mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=e))
+  assert _rel_err(out, ref) <= 1e-3 and np.isfinite(out).all()
+  for g in sorted({0, int(np.argmax(sizes)), int(np.argmin(sizes)), e - 1}):
+    cols = _tile_cols(tile_expert, g)
+    if cols is None:
+      assert not out[g].any()
+      continue
+    tc = slice(cols.start // 128, cols.stop // 128)
+    dense = mgpu.fp8_gemm(a[:, cols], a_s[:, tc], b[:, cols], b_s[:, tc], out_dtype=jnp.float32)
+    np.testing.assert_array_equal(out[g], np.asarray(dense), err_msg=f"group {g} ({sizes[g]} rows)")
+  for cfg in WGRAD_GPU_CONFIGS:
+    got = mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=e, config=cfg)
+    np.testing.assert_array_equal(np.asarray(got), out, err_msg=str(cfg))
+  ab, bb = a.astype(jnp.float32).astype(jnp.bfloat16), b.astype(jnp.float32).astype(jnp.bfloat16)
+  outb = np.asarray(mgpu.grouped_bf16_wgrad_tiles(ab, bb, tile_expert, num_experts=e))
+  refb = grouped_gemm.dot_tiles_wgrad_by_tile(ab.T.astype(jnp.float32), bb.T, tile_expert, e)
+  assert _rel_err(outb, refb) <= 1e-5
+  for cfg in WGRAD_GPU_CONFIGS[:3]:
+    got = mgpu.grouped_bf16_wgrad_tiles(ab, bb, tile_expert, num_experts=e, config=cfg)
+    np.testing.assert_array_equal(np.asarray(got), outb, err_msg=f"bf16 {cfg}")
