@@ -73,6 +73,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -675,9 +676,173 @@ def _group_ranges(tile_expert_T, num_experts: int):
   return first, count
 
 
-def _wgrad_config(cfg: TuningConfig | None, n_out: int) -> TuningConfig:
-  """Grouped wgrad's config: one K block per step (a tile's token blocks are the pipeline), one pipeline per output
-  tile (the dynamic grids allow no cross-tile pipeline), no clusters, two consumer warpgroups."""
+# Flat wgrad schedule: a step-table entry packs the token block (K blocks of the operands) and the output tile's
+# row and column block of one pipeline step; the bounds are checked in the wrapper.
+_TB_BITS, _BLK_BITS = 15, 8
+
+
+def _wgrad_schedule(tile_expert_T, num_experts: int, n_rows: int, k_out: int, cfg: TuningConfig, grid: int,
+                    sub: int):
+  """The flat grouped-wgrad schedule (``_wgrad_flat_kernel``) -> (step (U,), ctl (U,), off (grid + 1,)) int32.
+
+  Output tiles lin = e * tpe + m_blk * n_blocks + n_blk (tpe = tiles per expert) go round robin to the CTAs (lin %
+  grid); CTA c runs steps off[c] .. off[c+1] of one pipeline: for each of its tiles in increasing lin, one step per
+  K block (``sub`` per 128-token tile) of the tile's expert, in token order. ``step[s]`` = token block << 16 |
+  m_blk << 8 | n_blk (what the producer loads); ``ctl[s]`` = lin << 2 | last << 1 | first (what the consumers do).
+  Static size U = tiles x sub x tpe >= any total (each token tile belongs to one expert); entries past the total
+  are never read."""
+  t = tile_expert_T.shape[0]
+  first, count = _group_ranges(tile_expert_T, num_experts)
+  n_blocks = k_out // cfg.cta_n
+  m_blocks = n_rows // cfg.cta_m
+  tpe = m_blocks * n_blocks
+  if t * sub >= 1 << _TB_BITS or m_blocks > 1 << _BLK_BITS or n_blocks > 1 << _BLK_BITS:
+    raise ValueError(f"grouped wgrad: {t} token tiles, {m_blocks} x {n_blocks} output blocks per expert exceed the "
+                     f"flat schedule's fields (< {(1 << _TB_BITS) // sub} tiles, <= {1 << _BLK_BITS} blocks)")
+  lins = np.arange(num_experts * tpe)
+  order = np.argsort(lins % grid, kind="stable")  # CTA-major, increasing lin within a CTA
+  per_cta = np.bincount(lins % grid, minlength=grid)
+  cta_first = np.concatenate([[0], np.cumsum(per_cta)[:-1]])
+  cnt = (count * sub)[order // tpe]  # pipeline steps of each tile, in CTA order
+  cum = jnp.cumsum(cnt, dtype=jnp.int32)
+  start = cum - cnt
+  off = jnp.concatenate([start[cta_first], cum[-1:]]).astype(jnp.int32)
+  s = jnp.arange(t * sub * tpe, dtype=jnp.int32)
+  ti = jnp.minimum(jnp.searchsorted(cum, s, side="right"), len(order) - 1)
+  lin = jnp.asarray(order, jnp.int32)[ti]
+  k = s - start[ti]
+  rem = lin % tpe
+  step = ((first[lin // tpe] * sub + k) << 16) | ((rem // n_blocks) << 8) | (rem % n_blocks)
+  ctl = (lin << 2) | ((k == cnt[ti] - 1).astype(jnp.int32) << 1) | (k == 0).astype(jnp.int32)
+  return step.astype(jnp.int32), ctl.astype(jnp.int32), off
+
+
+def _wgrad_flat_kernel(*refs, cfg: TuningConfig, num_experts: int, grid: int):
+  """Grouped wgrad with one pipeline per CTA over all its output tiles' steps (``_wgrad_schedule``), so the producer
+  loads the next tile's first token blocks while the consumers finish this one (tiles are short: 4 steps at
+  balanced Qwen3 routing). Refs: a (N, P), b (K, P), [as (T, N), bs (T, K) f32,] step, ctl, off, count, out
+  (E*N, K), out_smem. Per step the consumers (FP8) issue one K block's wgmmas into a fresh accumulator and promote
+  it, ``acc + blk * (a_scale[m] * b_scale[n])``, as the dense wgrad does; BF16: ``acc + blk`` per 64-token block.
+  The accumulator restarts from zero at a tile's first step and the tile's epilogue runs at its last step; tiles of
+  experts without tokens get zeros first."""
+  scaled = len(refs) == 10
+  if scaled:
+    a_gmem, b_gmem, as_gmem, bs_gmem, step_gmem, ctl_gmem, off_gmem, count_gmem, out_gmem, out_smem = refs
+  else:
+    a_gmem, b_gmem, step_gmem, ctl_gmem, off_gmem, count_gmem, out_gmem, out_smem = refs
+  n_rows, k_out, out_dtype = a_gmem.shape[0], b_gmem.shape[0], out_gmem.dtype
+  cta_m, cta_n, wg_n = cfg.cta_m, cfg.cta_n, cfg.wg_n
+  bk = _block_k(a_gmem.dtype)
+  n_blocks = k_out // cta_n
+  tpe = (n_rows // cta_m) * n_blocks
+  transforms = _swizzled(_K_BLOCK_BYTES, a_gmem.dtype.itemsize)
+  sm = lax.axis_index("sm")
+  base = off_gmem[sm]
+  num_steps = off_gmem[sm + 1] - base
+
+  def entry(s):  # (token block, m block, n block) of pipeline step s
+    v = step_gmem[base + s]
+    return lax.shift_right_logical(v, 16), lax.shift_right_logical(v, 8) & 255, v & 255
+
+  specs = [plgpu.BlockSpec((cta_m, bk), lambda s: (entry(s)[1], entry(s)[0]), transforms=transforms,
+                           memory_space=plgpu.SMEM),
+           plgpu.BlockSpec((cta_n, bk), lambda s: (entry(s)[2], entry(s)[0]), transforms=transforms,
+                           memory_space=plgpu.SMEM)]
+  if scaled:
+    specs += [plgpu.BlockSpec((1, cta_m), lambda s: (entry(s)[0], entry(s)[1]), memory_space=plgpu.SMEM),
+              plgpu.BlockSpec((1, cta_n), lambda s: (entry(s)[0], entry(s)[2]), memory_space=plgpu.SMEM)]
+
+  def get_pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(num_steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=cfg.num_wgs,
+        max_concurrent_steps=cfg.max_concurrent_steps, compute_context=compute_context)
+
+  ignore = lambda *_, **__: None
+  gmem = [a_gmem, b_gmem] + ([as_gmem, bs_gmem] if scaled else [])
+
+  @functools.partial(pl.run_scoped, allocs=get_pipeline(ignore, ignore).get_allocations(*gmem), collective_axes="wg")
+  def _scope(allocs):
+    wg = lax.axis_index("wg")
+    wg_m_off, wg_n_off = (wg * WG_M, 0) if cfg.split == "m" else (0, wg * wg_n)
+    zeros = lambda: plgpu.layout_cast(jnp.zeros((WG_M, wg_n), jnp.float32), plgpu.Layout.WGMMA)  # noqa: E731
+
+    def epilogue(lin, acc):
+      rem = lin % tpe
+      row0 = (lin // tpe) * n_rows + (rem // n_blocks) * cta_m
+      n0 = (rem % n_blocks) * cta_n
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      out_smem[wg] = acc.astype(out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[pl.ds(row0 + wg_m_off, WG_M), pl.ds(n0 + wg_n_off, wg_n)])
+
+    @pl.when(wg < cfg.num_wgs)
+    def _empty_experts():  # this CTA's tiles of experts without tokens: zeros (no pipeline step writes them)
+      @pl.loop(0, (num_experts * tpe - sm + grid - 1) // grid)
+      def _(j):
+        lin = sm + j * grid
+        pl.when(count_gmem[lin // tpe] == 0)(lambda: epilogue(lin, zeros()))
+
+    def body(idx, a_smem, b_smem, *rest):
+      *scale_smem, acc = rest
+      ctl = ctl_gmem[base + idx[0]]
+      first = lax.broadcast_in_dim((ctl & 1) == 1, acc.shape, ())  # a tile's first step: restart from zero
+      acc = lax.select(first, zeros(), acc)
+      a = a_smem.at[pl.ds(wg_m_off, WG_M)]
+      b = b_smem.at[pl.ds(wg_n_off, wg_n)].transpose((1, 0))
+
+      def block(blk_ref):
+        plgpu.wgmma(blk_ref, a, b)
+        if scaled:
+          as_smem, bs_smem = scale_smem
+          sa = plgpu.load(as_smem.at[0, pl.ds(wg_m_off, WG_M)], layout=plgpu.Layout.WGMMA.reduce(1))
+          sb = plgpu.load(bs_smem.at[0, pl.ds(wg_n_off, wg_n)], layout=plgpu.Layout.WGMMA.reduce(0))
+          blk = plgpu.wgmma_accumulator_load(blk_ref, wait_n=0)
+          return acc + blk * (lax.broadcast_in_dim(sa, (WG_M, wg_n), [0]) * lax.broadcast_in_dim(sb, (WG_M, wg_n), [1]))
+        return acc + plgpu.wgmma_accumulator_load(blk_ref, wait_n=0)
+
+      acc = pl.run_scoped(block, plgpu.ACC((WG_M, wg_n), jnp.float32))
+      pl.when((ctl & 2) == 2)(lambda: epilogue(lax.shift_right_logical(ctl, 2), acc))  # a tile's last step
+      return acc
+
+    def compute_context(eval_pipeline):
+      eval_pipeline(zeros())
+
+    pl.when(num_steps > 0)(lambda: get_pipeline(body, compute_context)(*gmem, allocations=allocs))
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _launch_wgrad_flat(*operands, tile_expert_T, num_experts: int, cfg: TuningConfig, n_rows: int, k_out: int,
+                       p: int, out_dtype, num_sms: int, interpret: bool, kernel_name: str):
+  """Runs ``_wgrad_flat_kernel`` -> (E, N, K)."""
+  scaled = len(operands) == 4
+  bk = _block_k(operands[0].dtype)
+  tiles = num_experts * (n_rows // cfg.cta_m) * (k_out // cfg.cta_n)
+  grid = min(num_sms, tiles)
+  # ring depth: what SMEM holds beside the output staging (a stage: one K block of A and B, and their scale rows)
+  stage = (cfg.cta_m + cfg.cta_n) * _K_BLOCK_BYTES + (4 * (cfg.cta_m + cfg.cta_n) if scaled else 0)
+  out_bytes = cfg.num_wgs * WG_M * cfg.wg_n * out_dtype.itemsize
+  cfg = dataclasses.replace(cfg, max_concurrent_steps=max(2, min(cfg.max_concurrent_steps,
+                                                                 (_SMEM_BUDGET - out_bytes) // stage)))
+  step, ctl, off = _wgrad_schedule(tile_expert_T, num_experts, n_rows, k_out, cfg, grid, BLOCK // bk)
+  _, count = _group_ranges(tile_expert_T, num_experts)
+  out_smem_type = plgpu.SMEM((cfg.num_wgs, WG_M, cfg.wg_n), out_dtype,
+                             transforms=_swizzled(cfg.wg_n * out_dtype.itemsize, out_dtype.itemsize))
+  kernel = plgpu.kernel(
+      functools.partial(_wgrad_flat_kernel, cfg=cfg, num_experts=num_experts, grid=grid),
+      out_type=jax.ShapeDtypeStruct((num_experts * n_rows, k_out), out_dtype),
+      scratch_types=[out_smem_type], grid=(grid,), grid_names=("sm",), num_threads=cfg.num_wgs + 1,
+      thread_name="wg", kernel_name=kernel_name, compiler_params=plgpu.CompilerParams(approx_math=False),
+      interpret=plgpu.InterpretGPUParams() if interpret else None)
+  return kernel(*operands, step, ctl, off, count).reshape(num_experts, n_rows, k_out)
+
+
+def _wgrad_config(cfg: TuningConfig | None, n_out: int, schedule: str) -> TuningConfig:
+  """Grouped wgrad's config: one K block per step, no clusters, two consumer warpgroups, no cross-tile pipeline of
+  the library's kind (dynamic grids allow none; "flat" is its own). ``schedule``: "flat" (one pipeline per CTA over
+  all its tiles' steps, ``_wgrad_flat_kernel``) or "per_tile" (one pipeline per output tile, ``_kernel``)."""
+  if schedule not in _WGRAD_SCHEDULES:
+    raise ValueError(f"grouped wgrad: schedule must be one of {_WGRAD_SCHEDULES}, got {schedule!r}")
   if cfg is None:
     cfg = TuningConfig("m", 128, 4)
   if cfg.cross_tile or cfg.cluster_n or cfg.num_wgs != 2 or cfg.k_blocks != 1:
@@ -702,10 +867,14 @@ def _validate_wgrad(name, a_NxP, b_KxP, tile_expert_T, dtype):
                      f"{tuple(tile_expert_T.shape)} {tile_expert_T.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("num_experts", "out_dtype", "config", "interpret", "num_sms"))
+_WGRAD_SCHEDULES = ("flat", "per_tile")
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts", "out_dtype", "config", "interpret", "num_sms",
+                                             "schedule"))
 def grouped_fp8_wgrad_tiles(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, *, num_experts: int,
                             out_dtype=jnp.float32, config: TuningConfig | None = None, interpret: bool = False,
-                            num_sms: int | None = None):
+                            num_sms: int | None = None, schedule: str = "flat"):
   """Grouped FP8 wgrad: dW_e = A[:, tiles of e] . B[:, tiles of e]^T -> (E, N, K) ``out_dtype``.
 
   Operands are ``grouped_gemm.grouped_wgrad_tiles``' (reference): dy^T and x^T of the tile buffer, E4M3 and
@@ -725,7 +894,12 @@ def grouped_fp8_wgrad_tiles(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, *
                      f"(K, P/128) = {(k, p // BLOCK)}; got {tuple(a_s_NxT.shape)} and {tuple(b_s_KxT.shape)}")
   out_dtype = _out_dtype(out_dtype, "grouped_fp8_wgrad")
   num_sms = num_sms or (4 if interpret else _num_sms())
-  cfg = _wgrad_config(config, k)
+  cfg = _wgrad_config(config, k, schedule)
+  if schedule == "flat":
+    return _launch_wgrad_flat(a_q_NxP, b_q_KxP, a_s_NxT.astype(jnp.float32).T, b_s_KxT.astype(jnp.float32).T,
+                              tile_expert_T=tile_expert_T, num_experts=num_experts, cfg=cfg, n_rows=n, k_out=k, p=p,
+                              out_dtype=out_dtype, num_sms=num_sms, interpret=interpret,
+                              kernel_name="fp8jax_grouped_fp8_wgrad")
   cfg, _, grid = _resolve(cfg, num_experts * n, k, p, out_dtype, True, num_sms, interpret, a_q_NxP.dtype,
                           "grouped_fp8_wgrad")
   first, count = _group_ranges(tile_expert_T, num_experts)
@@ -735,9 +909,11 @@ def grouped_fp8_wgrad_tiles(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, *
   return out.reshape(num_experts, n, k)
 
 
-@functools.partial(jax.jit, static_argnames=("num_experts", "out_dtype", "config", "interpret", "num_sms"))
+@functools.partial(jax.jit, static_argnames=("num_experts", "out_dtype", "config", "interpret", "num_sms",
+                                             "schedule"))
 def grouped_bf16_wgrad_tiles(a_NxP, b_KxP, tile_expert_T, *, num_experts: int, out_dtype=jnp.float32,
-                             config: TuningConfig | None = None, interpret: bool = False, num_sms: int | None = None):
+                             config: TuningConfig | None = None, interpret: bool = False, num_sms: int | None = None,
+                             schedule: str = "flat"):
   """Grouped BF16 wgrad: dW_e = A[:, tiles of e] . B[:, tiles of e]^T -> (E, N, K), FP32 accumulation.
 
   A = dy^T (N, P), B = x^T (K, P) of the tile buffer in BF16, N and K multiples of 128. Each output element is one
@@ -749,7 +925,11 @@ def grouped_bf16_wgrad_tiles(a_NxP, b_KxP, tile_expert_T, *, num_experts: int, o
   (n, p), k = a_NxP.shape, b_KxP.shape[0]
   out_dtype = _out_dtype(out_dtype, "grouped_bf16_wgrad")
   num_sms = num_sms or (4 if interpret else _num_sms())
-  cfg = _wgrad_config(config, k)
+  cfg = _wgrad_config(config, k, schedule)
+  if schedule == "flat":
+    return _launch_wgrad_flat(a_NxP, b_KxP, tile_expert_T=tile_expert_T, num_experts=num_experts, cfg=cfg,
+                              n_rows=n, k_out=k, p=p, out_dtype=out_dtype, num_sms=num_sms, interpret=interpret,
+                              kernel_name="fp8jax_grouped_bf16_wgrad")
   cfg, _, grid = _resolve(cfg, num_experts * n, k, p, out_dtype, False, num_sms, interpret, a_NxP.dtype,
                           "grouped_bf16_wgrad")
   first, count = _group_ranges(tile_expert_T, num_experts)
