@@ -11,7 +11,8 @@ Operands and math are those of ``pallas_kernels.fp8_gemm`` (read its docstring):
   ``grouped_bf16_gemm_tiles``: its grouped mode (B stacked (E, N, K), A in the tile layout), the BF16 experts.
 * ``grouped_fp8_wgrad_tiles`` / ``grouped_bf16_wgrad_tiles`` (the experts' weight gradients): the wgrad mode (FP8
   with row scales, or BF16) where K is the tile buffer's tokens and expert e's output block contracts only over its
-  own 128-token tiles: a pipeline of a dynamic number of steps per output tile. Reference
+  own 128-token tiles; one pipeline per CTA over all its output tiles' steps (a step table built in the wrapper).
+  Reference
   ``grouped_gemm.grouped_wgrad_tiles`` (FP8) / ``dot_tiles_wgrad_by_tile`` (BF16).
 
 Kernel structure (the DeepGEMM recipe, DeepSeek-V3 report sec. 3.3.2 "increasing accumulation precision", written
@@ -268,24 +269,19 @@ def _swizzled(shape_minor_bytes: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(*refs, cfg: TuningConfig, row_scales: bool, num_experts: int = 0, wgrad_experts: int = 0):
-  """Refs: a (Mp, K), b (N, K), [as (Kb, Mp) f32, bs (Kb, 32*Nb | N) f32,] [tile_expert (Mp/128,) i32 |
-  first, count (E,) i32,] out (Mp | E*Mp, N), out_smem.
+def _kernel(*refs, cfg: TuningConfig, row_scales: bool, num_experts: int = 0):
+  """Refs: a (Mp, K), b (N, K), [as (Kb, Mp) f32, bs (Kb, 32*Nb | N) f32,] [tile_expert (Mp/128,) i32,] out (Mp, N),
+  out_smem.
 
   With the two scale refs: FP8 mode (E4M3 operands, a fresh wgmma accumulator per K block, FP32 promotion).
   Without: BF16 mode (BF16 operands, one wgmma accumulator over all of K, no promotion).
   With ``num_experts`` (grouped mode; FP8 with tile scales, or BF16): b is the experts' weights stacked (E*N, K), bs
   (FP8) their replicated tile scales side by side (Kb, E*32*Nb), and the last input maps each 128-row tile of A to
   its expert; a tile's B (and B-scale) loads start at its expert's block, everything else is the dense kernel.
-  With ``wgrad_experts`` = E (grouped wgrad; FP8 with row scales, or BF16): K is the tokens of the tile buffer and
-  expert e's output rows e*Mp.. contract only over its own 128-token tiles ``first[e] .. first[e] + count[e]`` (a
-  pipeline of ``count[e]`` steps: a dynamic grid); an expert with no tiles gets zeros.
   """
   *in_gmem, out_gmem, out_smem = refs
   if num_experts:
     *in_gmem, tile_expert_gmem = in_gmem
-  if wgrad_experts:
-    *in_gmem, first_gmem, count_gmem = in_gmem
   a_gmem, b_gmem, *scale_gmem = in_gmem
   scaled = bool(scale_gmem)
   mp, k = a_gmem.shape
@@ -294,25 +290,22 @@ def _kernel(*refs, cfg: TuningConfig, row_scales: bool, num_experts: int = 0, wg
   cta_m, cta_n, wg_n, kb = cfg.cta_m, cfg.cta_n, cfg.wg_n, cfg.k_blocks
   bk = _block_k(a_gmem.dtype)
   m_iters, n_iters, k_steps = mp // cta_m, n // (cta_n * cfg.cluster_size), k // (bk * kb)
-  if wgrad_experts:
-    m_iters *= wgrad_experts
   transforms = _swizzled(_K_BLOCK_BYTES, a_gmem.dtype.itemsize)  # 128 B rows -> 128 B swizzle
   # Columns of bs a CTA needs: its own (row scales) or the replicated scale of each 128-wide block it touches.
   bs_cols = cta_n if row_scales else _SCALE_REP * max(1, cta_n // BLOCK)
 
-  def get_pipeline(body, compute_context, pipeline_state=None, steps=k_steps, k0=0):
-    """The K pipeline over ``steps`` steps from step ``k0`` (both traced in grouped-wgrad mode)."""
+  def get_pipeline(body, compute_context, pipeline_state=None):
     specs = [
-        plgpu.BlockSpec((cta_m, kb * bk), lambda kk: (0, k0 + kk), transforms=transforms,
+        plgpu.BlockSpec((cta_m, kb * bk), lambda kk: (0, kk), transforms=transforms,
                         memory_space=plgpu.SMEM, collective_axes=("cluster",) if cfg.cluster_n else ()),
-        plgpu.BlockSpec((cta_n, kb * bk), lambda kk: (0, k0 + kk), transforms=transforms, memory_space=plgpu.SMEM),
+        plgpu.BlockSpec((cta_n, kb * bk), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM),
     ]
     if scaled:
-      specs += [plgpu.BlockSpec((kb, cta_m), lambda kk: (k0 + kk, 0), memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((kb, bs_cols), lambda kk: (k0 + kk, 0), memory_space=plgpu.SMEM)]
+      specs += [plgpu.BlockSpec((kb, cta_m), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((kb, bs_cols), lambda kk: (kk, 0), memory_space=plgpu.SMEM)]
     return plgpu.emit_pipeline_warp_specialized(
         body,
-        grid=(steps,),
+        grid=(k_steps,),
         memory_registers=40 if cfg.num_wgs == 2 else 32,  # 3 consumers: (512 - 32) / 3 -> 160 registers each
         in_specs=specs,
         wg_axis="wg",
@@ -346,14 +339,6 @@ def _kernel(*refs, cfg: TuningConfig, row_scales: bool, num_experts: int = 0, wg
       m0 = m_idx * cta_m
       n0 = n_idx * cta_n
       b_row0 = n0
-      out_row0, steps, k0 = m0, k_steps, 0
-      if wgrad_experts:  # grouped wgrad: rows of expert e's output, contracted over its own token tiles only
-        per_expert = mp // cta_m
-        expert = lax.div(m_idx, per_expert)
-        m0 = lax.rem(m_idx, per_expert) * cta_m
-        out_row0 = expert * mp + m0
-        steps_per_tile = BLOCK // (bk * kb)  # pipeline steps per 128-token tile
-        steps, k0 = count_gmem[expert] * steps_per_tile, first_gmem[expert] * steps_per_tile
       if num_experts:  # grouped mode: the tile's expert (ids >= E: an unused tile, all zero rows)
         tile_id = tile_expert_gmem[lax.div(m0, BLOCK)]
         expert = jnp.minimum(tile_id, num_experts - 1)
@@ -383,7 +368,7 @@ def _kernel(*refs, cfg: TuningConfig, row_scales: bool, num_experts: int = 0, wg
         out_smem[wg] = acc.astype(out_dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
-            out_smem.at[wg], out_gmem.at[pl.ds(out_row0 + wg_m_off, WG_M), pl.ds(n0 + wg_n_off, wg_n)])
+            out_smem.at[wg], out_gmem.at[pl.ds(m0 + wg_m_off, WG_M), pl.ds(n0 + wg_n_off, wg_n)])
 
       tile_gmem = [a_gmem.at[pl.ds(m0, cta_m)], b_gmem.at[pl.ds(b_row0, cta_n)]]
       if scaled:
@@ -393,15 +378,8 @@ def _kernel(*refs, cfg: TuningConfig, row_scales: bool, num_experts: int = 0, wg
         tile_gmem += [scale_gmem[0].at[:, pl.ds(m0, cta_m)], scale_gmem[1].at[:, pl.ds(scale_tile, bs_cols)]]
       else:
         body, compute_context = _bf16_step(operands, epilogue, cfg)
-      run_tile = lambda: get_pipeline(body, compute_context, pipeline_state, steps, k0)(*tile_gmem,
-                                                                                         allocations=allocs)
-      if wgrad_experts:  # an expert without tokens: its dW rows are zeros, no pipeline
-        pl.when(steps > 0)(run_tile)
-
-        @pl.when((steps == 0) & (wg < cfg.num_wgs))
-        def _zeros():
-          epilogue(plgpu.layout_cast(jnp.zeros((WG_M, wg_n), jnp.float32), plgpu.Layout.WGMMA))
-      elif num_experts and not cfg.cross_tile:
+      run_tile = lambda: get_pipeline(body, compute_context, pipeline_state)(*tile_gmem, allocations=allocs)
+      if num_experts and not cfg.cross_tile:
         # Grouped mode, one pipeline per tile: unused tiles are skipped (their rows of C are left unwritten).
         # Across tiles the pipeline's START/STOP steps need every tile, so there they run (with zero rows: zeros).
         pl.when(tile_id < num_experts)(run_tile)
@@ -513,13 +491,12 @@ def _resolve(cfg: TuningConfig, m: int, n: int, k: int, out_dtype, row_scales: b
 
 
 def _launch(*operands, cfg: TuningConfig, row_scales: bool, mp: int, n: int, out_dtype, grid: int, interpret: bool,
-            kernel_name: str, num_experts: int = 0, wgrad_experts: int = 0):
+            kernel_name: str, num_experts: int = 0):
   """Runs ``_kernel`` on (Mp, .) operands -> (Mp, N) ``out_dtype``."""
   out_smem_type = plgpu.SMEM((cfg.num_wgs, WG_M, cfg.wg_n), out_dtype,
                              transforms=_swizzled(cfg.wg_n * out_dtype.itemsize, out_dtype.itemsize))
   kernel = plgpu.kernel(
-      functools.partial(_kernel, cfg=cfg, row_scales=row_scales, num_experts=num_experts,
-                        wgrad_experts=wgrad_experts),
+      functools.partial(_kernel, cfg=cfg, row_scales=row_scales, num_experts=num_experts),
       out_type=jax.ShapeDtypeStruct((mp, n), out_dtype),
       scratch_types=[out_smem_type],
       grid=(grid,),
@@ -676,21 +653,21 @@ def _group_ranges(tile_expert_T, num_experts: int):
   return first, count
 
 
-# Flat wgrad schedule: a step-table entry packs the token block (K blocks of the operands) and the output tile's
+# Grouped wgrad schedule: a step-table entry packs the token block (K blocks of the operands) and the output tile's
 # row and column block of one pipeline step; the bounds are checked in the wrapper.
 _TB_BITS, _BLK_BITS = 15, 8
 
 
 def _wgrad_schedule(tile_expert_T, num_experts: int, n_rows: int, k_out: int, cfg: TuningConfig, grid: int,
                     sub: int):
-  """The flat grouped-wgrad schedule (``_wgrad_flat_kernel``) -> (step (U,), ctl (U,), off (grid + 1,)) int32.
+  """The grouped-wgrad schedule (``_wgrad_kernel``) -> (step (U,), ctl (U,), off (grid + 1,), count (E,)) int32.
 
   Output tiles lin = e * tpe + m_blk * n_blocks + n_blk (tpe = tiles per expert) go round robin to the CTAs (lin %
   grid); CTA c runs steps off[c] .. off[c+1] of one pipeline: for each of its tiles in increasing lin, one step per
   K block (``sub`` per 128-token tile) of the tile's expert, in token order. ``step[s]`` = token block << 16 |
   m_blk << 8 | n_blk (what the producer loads); ``ctl[s]`` = lin << 2 | last << 1 | first (what the consumers do).
   Static size U = tiles x sub x tpe >= any total (each token tile belongs to one expert); entries past the total
-  are never read."""
+  are never read. ``count``: each expert's 128-token tiles."""
   t = tile_expert_T.shape[0]
   first, count = _group_ranges(tile_expert_T, num_experts)
   n_blocks = k_out // cfg.cta_n
@@ -698,7 +675,7 @@ def _wgrad_schedule(tile_expert_T, num_experts: int, n_rows: int, k_out: int, cf
   tpe = m_blocks * n_blocks
   if t * sub >= 1 << _TB_BITS or m_blocks > 1 << _BLK_BITS or n_blocks > 1 << _BLK_BITS:
     raise ValueError(f"grouped wgrad: {t} token tiles, {m_blocks} x {n_blocks} output blocks per expert exceed the "
-                     f"flat schedule's fields (< {(1 << _TB_BITS) // sub} tiles, <= {1 << _BLK_BITS} blocks)")
+                     f"schedule's fields (< {(1 << _TB_BITS) // sub} tiles, <= {1 << _BLK_BITS} blocks)")
   lins = np.arange(num_experts * tpe)
   order = np.argsort(lins % grid, kind="stable")  # CTA-major, increasing lin within a CTA
   per_cta = np.bincount(lins % grid, minlength=grid)
@@ -714,10 +691,10 @@ def _wgrad_schedule(tile_expert_T, num_experts: int, n_rows: int, k_out: int, cf
   rem = lin % tpe
   step = ((first[lin // tpe] * sub + k) << 16) | ((rem // n_blocks) << 8) | (rem % n_blocks)
   ctl = (lin << 2) | ((k == cnt[ti] - 1).astype(jnp.int32) << 1) | (k == 0).astype(jnp.int32)
-  return step.astype(jnp.int32), ctl.astype(jnp.int32), off
+  return step.astype(jnp.int32), ctl.astype(jnp.int32), off, count
 
 
-def _wgrad_flat_kernel(*refs, cfg: TuningConfig, num_experts: int, grid: int):
+def _wgrad_kernel(*refs, cfg: TuningConfig, num_experts: int, grid: int):
   """Grouped wgrad with one pipeline per CTA over all its output tiles' steps (``_wgrad_schedule``), so the producer
   loads the next tile's first token blocks while the consumers finish this one (tiles are short: 4 steps at
   balanced Qwen3 routing). Refs: a (N, P), b (K, P), [as (T, N), bs (T, K) f32,] step, ctl, off, count, out
@@ -812,9 +789,9 @@ def _wgrad_flat_kernel(*refs, cfg: TuningConfig, num_experts: int, grid: int):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _launch_wgrad_flat(*operands, tile_expert_T, num_experts: int, cfg: TuningConfig, n_rows: int, k_out: int,
-                       p: int, out_dtype, num_sms: int, interpret: bool, kernel_name: str):
-  """Runs ``_wgrad_flat_kernel`` -> (E, N, K)."""
+def _launch_wgrad(*operands, tile_expert_T, num_experts: int, cfg: TuningConfig, n_rows: int, k_out: int,
+                  out_dtype, num_sms: int, interpret: bool, kernel_name: str):
+  """Runs ``_wgrad_kernel`` -> (E, N, K)."""
   scaled = len(operands) == 4
   bk = _block_k(operands[0].dtype)
   tiles = num_experts * (n_rows // cfg.cta_m) * (k_out // cfg.cta_n)
@@ -824,12 +801,11 @@ def _launch_wgrad_flat(*operands, tile_expert_T, num_experts: int, cfg: TuningCo
   out_bytes = cfg.num_wgs * WG_M * cfg.wg_n * out_dtype.itemsize
   cfg = dataclasses.replace(cfg, max_concurrent_steps=max(2, min(cfg.max_concurrent_steps,
                                                                  (_SMEM_BUDGET - out_bytes) // stage)))
-  step, ctl, off = _wgrad_schedule(tile_expert_T, num_experts, n_rows, k_out, cfg, grid, BLOCK // bk)
-  _, count = _group_ranges(tile_expert_T, num_experts)
+  step, ctl, off, count = _wgrad_schedule(tile_expert_T, num_experts, n_rows, k_out, cfg, grid, BLOCK // bk)
   out_smem_type = plgpu.SMEM((cfg.num_wgs, WG_M, cfg.wg_n), out_dtype,
                              transforms=_swizzled(cfg.wg_n * out_dtype.itemsize, out_dtype.itemsize))
   kernel = plgpu.kernel(
-      functools.partial(_wgrad_flat_kernel, cfg=cfg, num_experts=num_experts, grid=grid),
+      functools.partial(_wgrad_kernel, cfg=cfg, num_experts=num_experts, grid=grid),
       out_type=jax.ShapeDtypeStruct((num_experts * n_rows, k_out), out_dtype),
       scratch_types=[out_smem_type], grid=(grid,), grid_names=("sm",), num_threads=cfg.num_wgs + 1,
       thread_name="wg", kernel_name=kernel_name, compiler_params=plgpu.CompilerParams(approx_math=False),
@@ -837,17 +813,14 @@ def _launch_wgrad_flat(*operands, tile_expert_T, num_experts: int, cfg: TuningCo
   return kernel(*operands, step, ctl, off, count).reshape(num_experts, n_rows, k_out)
 
 
-def _wgrad_config(cfg: TuningConfig | None, n_out: int, schedule: str) -> TuningConfig:
-  """Grouped wgrad's config: one K block per step, no clusters, two consumer warpgroups, no cross-tile pipeline of
-  the library's kind (dynamic grids allow none; "flat" is its own). ``schedule``: "flat" (one pipeline per CTA over
-  all its tiles' steps, ``_wgrad_flat_kernel``) or "per_tile" (one pipeline per output tile, ``_kernel``)."""
-  if schedule not in _WGRAD_SCHEDULES:
-    raise ValueError(f"grouped wgrad: schedule must be one of {_WGRAD_SCHEDULES}, got {schedule!r}")
+def _wgrad_config(cfg: TuningConfig | None, n_out: int) -> TuningConfig:
+  """Grouped wgrad's config: one K block per step, no clusters, two consumer warpgroups, and no cross-tile pipeline
+  of the library's kind (its schedule is its own: ``_wgrad_kernel``)."""
   if cfg is None:
     cfg = TuningConfig("m", 128, 4)
   if cfg.cross_tile or cfg.cluster_n or cfg.num_wgs != 2 or cfg.k_blocks != 1:
     raise ValueError(f"grouped wgrad: the config must have cross_tile=False, cluster_n=False, num_wgs=2 and "
-                     f"k_blocks=1 (dynamic per-expert pipelines), got {cfg}")
+                     f"k_blocks=1 (its own per-CTA schedule), got {cfg}")
   if n_out % cfg.cta_n:
     raise ValueError(f"grouped wgrad: K = {n_out} (dW's columns) is not a multiple of the CTA width {cfg.cta_n} "
                      f"of {cfg}")
@@ -867,26 +840,23 @@ def _validate_wgrad(name, a_NxP, b_KxP, tile_expert_T, dtype):
                      f"{tuple(tile_expert_T.shape)} {tile_expert_T.dtype}")
 
 
-_WGRAD_SCHEDULES = ("flat", "per_tile")
-
-
-@functools.partial(jax.jit, static_argnames=("num_experts", "out_dtype", "config", "interpret", "num_sms",
-                                             "schedule"))
+@functools.partial(jax.jit, static_argnames=("num_experts", "out_dtype", "config", "interpret", "num_sms"))
 def grouped_fp8_wgrad_tiles(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, *, num_experts: int,
                             out_dtype=jnp.float32, config: TuningConfig | None = None, interpret: bool = False,
-                            num_sms: int | None = None, schedule: str = "flat"):
+                            num_sms: int | None = None):
   """Grouped FP8 wgrad: dW_e = A[:, tiles of e] . B[:, tiles of e]^T -> (E, N, K) ``out_dtype``.
 
   Operands are ``grouped_gemm.grouped_wgrad_tiles``' (reference): dy^T and x^T of the tile buffer, E4M3 and
   quantized 1x128 over tokens (``quant.quantize_act_t``): ``a_q_NxP`` (N, P) + scales (N, P/128), ``b_q_KxP``
   (K, P) + scales (K, P/128); ``tile_expert_T`` (P/128,) the tiles' experts, sorted (>= E: unused, never read).
 
-  The dense kernel's wgrad mode (row scales) with one output tile per (expert, 128 x cta_n block) and a pipeline
-  over that expert's tiles only: each output element goes through the dense promotion chain (module docstring, item
-  3) over the expert's 128-token blocks in increasing token order, so dW_e does not depend on the other groups or
-  on where the group sits; the same per-block math and order as the reference (equal to it within the wgmma's
-  in-block summation: <= 1e-3 relative on the GPU, bitwise in interpret mode on exact operands). Experts without
-  tokens get zeros."""
+  The dense kernel's wgrad math (row scales) on output tiles of one expert each, contracted over that expert's
+  token tiles only; one pipeline per CTA runs all its tiles' steps (``_wgrad_kernel``). Each output element goes
+  through the dense promotion chain (module docstring, item 3) over the expert's 128-token blocks in increasing
+  token order, so dW_e does not depend on the other groups or on where the group sits (GPU test: bitwise the
+  dense kernel's wgrad over the group's columns); the same per-block math and order as the reference (equal to
+  it within the wgmma's in-block summation: <= 1e-3 relative on the GPU, bitwise in interpret mode on exact
+  operands). Experts without tokens get zeros."""
   _validate_wgrad("grouped_fp8_wgrad", a_q_NxP, b_q_KxP, tile_expert_T, jnp.float8_e4m3fn)
   (n, p), k = a_q_NxP.shape, b_q_KxP.shape[0]
   if a_s_NxT.shape != (n, p // BLOCK) or b_s_KxT.shape != (k, p // BLOCK):
@@ -894,48 +864,29 @@ def grouped_fp8_wgrad_tiles(a_q_NxP, a_s_NxT, b_q_KxP, b_s_KxT, tile_expert_T, *
                      f"(K, P/128) = {(k, p // BLOCK)}; got {tuple(a_s_NxT.shape)} and {tuple(b_s_KxT.shape)}")
   out_dtype = _out_dtype(out_dtype, "grouped_fp8_wgrad")
   num_sms = num_sms or (4 if interpret else _num_sms())
-  cfg = _wgrad_config(config, k, schedule)
-  if schedule == "flat":
-    return _launch_wgrad_flat(a_q_NxP, b_q_KxP, a_s_NxT.astype(jnp.float32).T, b_s_KxT.astype(jnp.float32).T,
-                              tile_expert_T=tile_expert_T, num_experts=num_experts, cfg=cfg, n_rows=n, k_out=k, p=p,
-                              out_dtype=out_dtype, num_sms=num_sms, interpret=interpret,
-                              kernel_name="fp8jax_grouped_fp8_wgrad")
-  cfg, _, grid = _resolve(cfg, num_experts * n, k, p, out_dtype, True, num_sms, interpret, a_q_NxP.dtype,
-                          "grouped_fp8_wgrad")
-  first, count = _group_ranges(tile_expert_T, num_experts)
-  out = _launch(a_q_NxP, b_q_KxP, a_s_NxT.astype(jnp.float32).T, b_s_KxT.astype(jnp.float32).T, first, count,
-                cfg=cfg, row_scales=True, mp=num_experts * n, n=k, out_dtype=out_dtype, grid=grid,
-                interpret=interpret, kernel_name="fp8jax_grouped_fp8_wgrad", wgrad_experts=num_experts)
-  return out.reshape(num_experts, n, k)
+  return _launch_wgrad(a_q_NxP, b_q_KxP, a_s_NxT.astype(jnp.float32).T, b_s_KxT.astype(jnp.float32).T,
+                       tile_expert_T=tile_expert_T, num_experts=num_experts, cfg=_wgrad_config(config, k), n_rows=n,
+                       k_out=k, out_dtype=out_dtype, num_sms=num_sms, interpret=interpret,
+                       kernel_name="fp8jax_grouped_fp8_wgrad")
 
 
-@functools.partial(jax.jit, static_argnames=("num_experts", "out_dtype", "config", "interpret", "num_sms",
-                                             "schedule"))
+@functools.partial(jax.jit, static_argnames=("num_experts", "out_dtype", "config", "interpret", "num_sms"))
 def grouped_bf16_wgrad_tiles(a_NxP, b_KxP, tile_expert_T, *, num_experts: int, out_dtype=jnp.float32,
-                             config: TuningConfig | None = None, interpret: bool = False, num_sms: int | None = None,
-                             schedule: str = "flat"):
+                             config: TuningConfig | None = None, interpret: bool = False, num_sms: int | None = None):
   """Grouped BF16 wgrad: dW_e = A[:, tiles of e] . B[:, tiles of e]^T -> (E, N, K), FP32 accumulation.
 
-  A = dy^T (N, P), B = x^T (K, P) of the tile buffer in BF16, N and K multiples of 128. Each output element is one
-  FP32 wgmma accumulation over expert e's tokens in increasing order (BF16 mode, module docstring, item 3b), from
-  zero, never split: deterministic and independent of the other groups. Reference
+  A = dy^T (N, P), B = x^T (K, P) of the tile buffer in BF16, N and K multiples of 128. Each output element adds,
+  in FP32 and in token order, one wgmma chain per 64-token block of expert e (``_wgrad_kernel``), from zero, never
+  split: deterministic and independent of the other groups. Reference
   ``grouped_gemm.dot_tiles_wgrad_by_tile`` (FP32 per-tile products added in tile order: equal within FP32
   rounding, not bitwise)."""
   _validate_wgrad("grouped_bf16_wgrad", a_NxP, b_KxP, tile_expert_T, jnp.bfloat16)
   (n, p), k = a_NxP.shape, b_KxP.shape[0]
   out_dtype = _out_dtype(out_dtype, "grouped_bf16_wgrad")
   num_sms = num_sms or (4 if interpret else _num_sms())
-  cfg = _wgrad_config(config, k, schedule)
-  if schedule == "flat":
-    return _launch_wgrad_flat(a_NxP, b_KxP, tile_expert_T=tile_expert_T, num_experts=num_experts, cfg=cfg,
-                              n_rows=n, k_out=k, p=p, out_dtype=out_dtype, num_sms=num_sms, interpret=interpret,
-                              kernel_name="fp8jax_grouped_bf16_wgrad")
-  cfg, _, grid = _resolve(cfg, num_experts * n, k, p, out_dtype, False, num_sms, interpret, a_NxP.dtype,
-                          "grouped_bf16_wgrad")
-  first, count = _group_ranges(tile_expert_T, num_experts)
-  out = _launch(a_NxP, b_KxP, first, count, cfg=cfg, row_scales=False, mp=num_experts * n, n=k, out_dtype=out_dtype,
-                grid=grid, interpret=interpret, kernel_name="fp8jax_grouped_bf16_wgrad", wgrad_experts=num_experts)
-  return out.reshape(num_experts, n, k)
+  return _launch_wgrad(a_NxP, b_KxP, tile_expert_T=tile_expert_T, num_experts=num_experts,
+                       cfg=_wgrad_config(config, k), n_rows=n, k_out=k, out_dtype=out_dtype, num_sms=num_sms,
+                       interpret=interpret, kernel_name="fp8jax_grouped_bf16_wgrad")
 
 
 def _validate_bf16(a, b):

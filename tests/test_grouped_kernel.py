@@ -359,15 +359,13 @@ def _tile_cols(tile_expert, e):
 WGRAD_CASES = [(130, 0, 1, 140), (0, 256, 0), (0, 0, 70), (1, 0)]
 
 
-@pytest.mark.parametrize("schedule", mgpu._WGRAD_SCHEDULES)
 @pytest.mark.parametrize("sizes", WGRAD_CASES, ids=str)
-def test_interpret_wgrad_bitwise_reference_and_dense_per_group(sizes, schedule):
+def test_interpret_wgrad_bitwise_reference_and_dense_per_group(sizes):
   """Exact operands: bitwise ``grouped_wgrad_tiles`` (the reference), each dW_e bitwise the dense kernel's wgrad
-  (row-scale mode) over group e's token columns alone, zeros for empty groups; unused tiles are not read. Both
-  schedules (one pipeline per CTA over all its tiles, or one per tile)."""
+  (row-scale mode) over group e's token columns alone, zeros for empty groups; unused tiles are not read."""
   e, n, k = len(sizes), 256, 128
   a, a_s, b, b_s, tile_expert = _wgrad_operands(len(sizes), sizes, n, k, exact=True)
-  out = mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=e, interpret=True, schedule=schedule)
+  out = mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=e, interpret=True)
   assert out.shape == (e, n, k) and out.dtype == jnp.float32
   ref = grouped_gemm.grouped_wgrad_tiles(a, a_s, b, b_s, tile_expert, e)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
@@ -390,10 +388,9 @@ def test_interpret_wgrad_random_operands_configs_and_traced_sizes():
   ref = grouped_gemm.grouped_wgrad_tiles(a, a_s, b, b_s, tile_expert, len(sizes))
   out = mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=4, interpret=True)
   assert _rel_err(out, ref) <= 1e-6
-  for cfg, schedule in ((T("m", 64, 2), "flat"), (T("n", 32, 3), "flat"), (T("n", 64, 2), "per_tile")):
-    got = mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=4, config=cfg, interpret=True,
-                                       schedule=schedule)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(out), err_msg=f"{cfg} {schedule}")
+  for cfg in (T("m", 64, 2), T("n", 32, 3), T("n", 64, 2)):
+    got = mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=4, config=cfg, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(out), err_msg=str(cfg))
   bf16 = mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=4, out_dtype=jnp.bfloat16,
                                       interpret=True)
   assert bf16.dtype == jnp.bfloat16 and _rel_err(bf16, ref) <= 5e-3
@@ -407,14 +404,13 @@ def test_interpret_wgrad_random_operands_configs_and_traced_sizes():
   assert f._cache_size() == 1
 
 
-@pytest.mark.parametrize("schedule", mgpu._WGRAD_SCHEDULES)
 @pytest.mark.parametrize("sizes", [(130, 0, 1, 140), (0, 0, 70)], ids=str)
-def test_interpret_bf16_wgrad_bitwise_reference(sizes, schedule):
+def test_interpret_bf16_wgrad_bitwise_reference(sizes):
   """BF16 mode on exact operands: bitwise the per-tile FP32 loop (``dot_tiles_wgrad_by_tile``) and the dense BF16
   kernel over the group's columns; empty groups zeros."""
   e, n, k = len(sizes), 256, 128
   a, _, b, _, tile_expert = _wgrad_operands(3, sizes, n, k, exact=True, dtype=jnp.bfloat16)
-  out = mgpu.grouped_bf16_wgrad_tiles(a, b, tile_expert, num_experts=e, interpret=True, schedule=schedule)
+  out = mgpu.grouped_bf16_wgrad_tiles(a, b, tile_expert, num_experts=e, interpret=True)
   ref = grouped_gemm.dot_tiles_wgrad_by_tile(a.T.astype(jnp.float32), b.T, tile_expert, e)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
   for g in range(e):
@@ -428,8 +424,6 @@ def test_interpret_bf16_wgrad_bitwise_reference(sizes, schedule):
 
 def test_wgrad_errors_name_shapes():
   a, a_s, b, b_s, tile_expert = _wgrad_operands(0, (10, 20), 256, 128)
-  with pytest.raises(ValueError, match="schedule must be one of"):
-    mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=2, schedule="nope")
   with pytest.raises(ValueError, match="cross_tile=False"):
     mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=2, config=T("m", 128, 2, cross_tile=True))
   with pytest.raises(ValueError, match=r"1x128 over tokens, \(N, P/128\) = \(256, 3\)"):
@@ -477,8 +471,6 @@ def test_gpu_wgrad_matches_reference_dense_and_configs(name, skew):
   ref = grouped_gemm.grouped_wgrad_tiles(a, a_s, b, b_s, tile_expert, e)
   out = np.asarray(mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=e))
   assert _rel_err(out, ref) <= 1e-3 and np.isfinite(out).all()
-  per_tile = mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=e, schedule="per_tile")
-  np.testing.assert_array_equal(np.asarray(per_tile), out, err_msg="per-tile schedule")
   for g in sorted({0, int(np.argmax(sizes)), int(np.argmin(sizes)), e - 1}):
     cols = _tile_cols(tile_expert, g)
     if cols is None:
@@ -497,7 +489,3 @@ def test_gpu_wgrad_matches_reference_dense_and_configs(name, skew):
   for cfg in WGRAD_GPU_CONFIGS[:3]:
     got = mgpu.grouped_bf16_wgrad_tiles(ab, bb, tile_expert, num_experts=e, config=cfg)
     np.testing.assert_array_equal(np.asarray(got), outb, err_msg=f"bf16 {cfg}")
-  # the per-tile schedule accumulates a tile's 64-token blocks in one wgmma chain, the flat one adds each block's
-  # chain in FP32: equal within FP32 rounding, not bitwise
-  per_tile_b = mgpu.grouped_bf16_wgrad_tiles(ab, bb, tile_expert, num_experts=e, schedule="per_tile")
-  assert _rel_err(per_tile_b, refb) <= 1e-5
