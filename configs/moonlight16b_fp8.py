@@ -10,15 +10,15 @@ NeMo RL's recipe (issue 19): 32 prompts x 16 generations, lr 1e-6, KL 0.04, the 
 by fp8.keep_patterns: q_proj / q_a / q_b and kv_a; kv_b is never FP8 in fp8jax, fp8jax/model/schema.py says why),
 o_proj, the dense MLP and the experts block FP8; the router BF16 with FP32 logits. The remaining GRPO settings are
 configs/llama8b_fp8.py's (NeMo RL's Llama-3.1-8B FP8 recipe), not checked against NeMo's Moonlight file.
-What is missing: the FP8 experts' wgrad runs the exact XLA reference (their forward and dgrad run the grouped Hopper
-kernel); MLA's absorbed attention has head dim 576, which the Pallas attention
-kernels do not take, so attention falls back to the reference (logged), which keeps every key block's scores for the
-backward: not fit for 4096-token training on a GPU, and not batch invariant there (sampler vs trainer
-token_mult_prob_error 1.0016 on the H200 with the FP8 latent cache). Expert parallelism (NeMo's recipe uses it):
---config.mesh.expert=8 puts 8 routed experts on each GPU (fp8jax/model/moe_parallel.py; fake CPU devices only so
-far). The full recipe has not been run. Measured (one H200, 2026-12-02; docs/benchmarks.md "MLA"): 2 of 27 layers at the GRPO smoke shape 0.302 s
-per step (BF16 0.300); at a training-like size (512 x 272 tokens per step, 2026-12-03) 3.78 s vs BF16 4.62 s (1.22x),
-token_mult_prob_error 1.0; 8 layers, 128 slots, 256 -> 512 tokens: 6,551 decode tok/s with the FP8 latent cache.
+The experts' forward, dgrad and wgrad run the grouped Hopper kernels. What is missing: MLA's absorbed attention has
+head dim 576, which the Pallas attention kernels do not take, so attention falls back to the reference (logged), which
+keeps every key block's scores for the backward: not fit for 4096-token training on a GPU, and not batch invariant
+there (sampler vs trainer token_mult_prob_error 1.0016 on the H200 with the FP8 latent cache). Expert parallelism
+(NeMo's recipe uses it): --config.mesh.expert=8 puts 8 routed experts on each GPU (fp8jax/model/moe_parallel.py; fake
+CPU devices only so far). The full recipe has not been run. Measured (one H200, 2026-12-02; docs/benchmarks.md "MLA"):
+2 of 27 layers at the GRPO smoke shape 0.302 s per step (BF16 0.300); at a training-like size (512 x 272 tokens per
+step, 2026-12-03, expert wgrads on the kernels) 3.28 s vs BF16 3.57 s (1.09x), token_mult_prob_error 1.0; 8 layers,
+128 slots, 256 -> 512 tokens: 6,551 decode tok/s with the FP8 latent cache.
 """
 
 import ml_collections
