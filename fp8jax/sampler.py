@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import time
 
 import jax
@@ -37,6 +38,26 @@ from fp8jax.model import head, llama
 from fp8jax.model.config import ModelConfig
 
 FINISH_STOP, FINISH_LENGTH = 0, 1
+
+
+def fcfs_decode_steps(lengths, slots: int, max_refills_per_step: int) -> int:
+  """Decode steps of the ideal first-come-first-served schedule of requests with these completion ``lengths`` (in
+  request order) on ``slots`` slots: every slot takes a request before the first step, and a slot freed by a
+  request's last token takes the next pending one on the very next step (at most ``max_refills_per_step`` per
+  step). The sampler's loop is this schedule (tests/test_sampler.py checks its step count), so ``generated tokens /
+  (these steps x slots)`` is the occupancy the workload itself allows (``stats["occupancy_bound"]``): when lengths
+  are not known in advance, no admission order does better in expectation; only a deeper queue does."""
+  n, ends, free, t, nxt = len(lengths), [], slots, 0, 0
+  while True:
+    while ends and ends[0] <= t:  # slots whose request ended on step t - 1
+      heapq.heappop(ends)
+      free += 1
+    if nxt >= n and not ends:
+      return t
+    k = min(free, n - nxt, slots if t == 0 else max_refills_per_step)
+    for length in lengths[nxt:nxt + k]:
+      heapq.heappush(ends, t + int(length))
+    nxt, free, t = nxt + k, free - k, t + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,6 +444,8 @@ class Sampler:
              "prefill_tokens": int(lens.sum()), "gen_tokens_per_s": gen_tokens / max(t_total - t_prefill, 1e-9),
              "prefill_tokens_per_s": int(lens.sum()) / max(t_prefill, 1e-9), "decode_steps": steps,
              "mean_occupancy": float(np.asarray(state.busy_steps)) / max(steps * s.slots, 1),
+             "occupancy_bound": gen_tokens / max(fcfs_decode_steps(out_len, s.slots, s.max_refills_per_step)
+                                                 * s.slots, 1),
              "kv_pages": lay.n_pages, "kv_cache_bytes": self._pool_bytes(lay)}
     toks_np = np.asarray(toks)
     return Rollout(prompt_idx=prompt_of_req, prompt_tokens=toks_np[prompt_of_req], prompt_lens=lens[prompt_of_req],

@@ -42,6 +42,9 @@ Columns:
              absorbed); an MoE layer's experts count n_experts_per_tok / n_experts of their parameters.
   prefill    prefill tokens/s (distinct prompts only: the samples of a prompt share one prefill).
   occ        mean occupancy: busy slot-steps / (decode steps x slots).
+  occ bound  the occupancy these requests' lengths allow: generated tokens / (steps of the ideal first-come-first-
+             served schedule, ``sampler.fcfs_decode_steps``, x slots); below 1 when the queue drains and the last
+             requests run on alone (scripts/occupancy_bound.py estimates it for other workloads).
 Attention runs fp8jax.attention (on a GPU the Pallas kernels: decode reads each slot's filled cache blocks only,
 FP8 K/V upcast in registers). What is still plain XLA: RoPE, norms, sampling, the KV write (scatter). The FP8 GEMMs run the Pallas Hopper kernel
 on sm_90 when it loads, else the exact XLA block reference (slow): ops.backend_report() is printed and saved. BF16
@@ -475,14 +478,15 @@ def _dist_version(name: str) -> str | None:
 def print_table(results: list[dict], tunix_res: dict):
   base = {r["workload"]: r["gen_tokens_per_s"] for r in results if r["config"] == "bf16"}
   hdr = (f"{'config':8s} {'workload':10s} {'tok/s':>10s} {'e2e tok/s':>10s} {'vs bf16':>8s} {'mem roof':>9s} "
-         f"{'flop roof':>9s} {'prefill/s':>11s} {'occ':>6s} {'step ms':>8s} {'mean len':>9s}")
+         f"{'flop roof':>9s} {'prefill/s':>11s} {'occ':>6s} {'occ bound':>9s} {'step ms':>8s} {'mean len':>9s}")
   log("\n" + hdr + "\n" + "-" * len(hdr))
   for r in results:
     ratio = r["gen_tokens_per_s"] / base[r["workload"]] if r["workload"] in base else float("nan")
     rf = r["roofline"]
     log(f"{r['config']:8s} {r['workload']:10s} {r['gen_tokens_per_s']:10.1f} {r['e2e_tokens_per_s']:10.1f} "
         f"{ratio:8.3f} {rf['mem_roofline_fraction']:9.3f} {rf['flop_roofline_fraction']:9.3f} "
-        f"{r['prefill_tokens_per_s']:11.1f} {r['mean_occupancy']:6.3f} {rf['decode_step_ms']:8.2f} "
+        f"{r['prefill_tokens_per_s']:11.1f} {r['mean_occupancy']:6.3f} {r.get('occupancy_bound', float('nan')):9.3f} "
+        f"{rf['decode_step_ms']:8.2f} "
         f"{r['lengths']['mean']:9.1f}")
   if tunix_res.get("status") == "ok":
     log(f"{'tunix':8s} {'uniform':10s} {'-':>10s} {tunix_res['e2e_tokens_per_s']:10.1f}")

@@ -300,6 +300,18 @@ def _scheduled_steps(lengths, slots: int, cap: int) -> int:
   return steps
 
 
+@pytest.mark.parametrize("slots,cap", [(1, 1), (4, 16), (4, 1), (7, 2), (64, 16)])
+def test_fcfs_decode_steps_is_the_slot_by_slot_schedule(slots, cap):
+  """``sampler.fcfs_decode_steps`` (a heap of end steps) equals the slot-by-slot host simulation above on random
+  long-tail lengths, and gives the closed form when every request has the same length."""
+  rng = np.random.default_rng(slots * 31 + cap)
+  for n in (0, 1, 5, 200):
+    lengths = np.minimum(rng.geometric(0.05, n), 64)
+    assert smp.fcfs_decode_steps(lengths, slots, cap) == _scheduled_steps(lengths.tolist(), slots, cap), (n, lengths)
+  # 12 requests of 5 tokens on 4 slots: three waves, each slot refilled the step after its last token
+  assert smp.fcfs_decode_steps([5] * 12, 4, 16) == 15
+
+
 def test_continuous_batching_matches_one_by_one(sparams):
   """slots=1 (one request at a time) == slots=4 (refilled as requests end) == slots=6 (all at once), bitwise, and
   with one refill per step; a free slot takes the next request on the very next decode step (inside the jitted loop).
@@ -321,6 +333,7 @@ def test_continuous_batching_matches_one_by_one(sparams):
     steps = _scheduled_steps(lengths.tolist(), slots, cap)
     assert r.stats["decode_steps"] == steps, (key, r.stats["decode_steps"], steps)
     np.testing.assert_allclose(r.stats["mean_occupancy"], lengths.sum() / (steps * slots), rtol=1e-12)
+    assert r.stats["occupancy_bound"] == r.stats["mean_occupancy"]  # the loop is the ideal schedule
     assert r.stats["generated_tokens"] == int(lengths.sum())
 
 
