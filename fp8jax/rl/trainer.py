@@ -290,6 +290,7 @@ class RLTrainer:
     host.update(col.timing)
     host["gen_tokens_per_s"] = col.stats.get("generated_tokens", 0) / max(col.timing["rollout_s"], 1e-9)
     host["mean_occupancy"] = col.stats.get("mean_occupancy", 0.0) / max(len(col.parts), 1)
+    host["occupancy_bound"] = col.stats.get("occupancy_bound", 0.0) / max(len(col.parts), 1)  # what lengths allow
     return Launched(step, host, dev, minibatches, lrs, n_adv, t_start, t_dispatch)
 
   def finish(self, launched: Launched) -> dict:
