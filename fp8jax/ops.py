@@ -561,10 +561,8 @@ def _grouped_bf16_gemm(a_PxK, b_ExNxK, tile_expert_T, cfg: LinearConfig):
 def _grouped_bf16(x_PxK, w_ExNxK, tile_expert_T, cfg: LinearConfig):
   """BF16 mode. A custom VJP (not autodiff of the tile loop, which would sum each expert's per-tile dw in BF16). On
   "xla" dx and dw are, per group, bitwise the dense BF16 ``linear``'s autodiff; on "pallas" the forward and dx run
-  the grouped kernel (per group bitwise the dense kernel's rows) and dw adds each tile's FP32 product in tile order
-  (``grouped_gemm.dot_tiles_wgrad_by_tile``: about one dense wgrad's work when routing is balanced, where the
-  reference's costs E); with the grouped BF16 wgrad kernel where there is one (both within FP32 rounding of the
-  reference's one dot per group)."""
+  the grouped kernel (per group bitwise the dense kernel's rows) and dw the grouped BF16 wgrad kernel (FP32 sums
+  over each expert's tokens in order: within FP32 rounding of the reference's one dot per group)."""
   y = _grouped_bf16_gemm(x_PxK.astype(jnp.bfloat16), w_ExNxK.astype(jnp.bfloat16), tile_expert_T, cfg)
   return y.astype(cfg.out_dtype)
 

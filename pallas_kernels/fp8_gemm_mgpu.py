@@ -12,8 +12,7 @@ Operands and math are those of ``pallas_kernels.fp8_gemm`` (read its docstring):
 * ``grouped_fp8_wgrad_tiles`` / ``grouped_bf16_wgrad_tiles`` (the experts' weight gradients): the wgrad mode (FP8
   with row scales, or BF16) where K is the tile buffer's tokens and expert e's output block contracts only over its
   own 128-token tiles; one pipeline per CTA over all its output tiles' steps (a step table built in the wrapper).
-  Reference
-  ``grouped_gemm.grouped_wgrad_tiles`` (FP8) / ``dot_tiles_wgrad_by_tile`` (BF16).
+  Reference ``grouped_gemm.grouped_wgrad_tiles`` (FP8) / ``dot_tiles_wgrad_by_tile`` (BF16).
 
 Kernel structure (the DeepGEMM recipe, DeepSeek-V3 report sec. 3.3.2 "increasing accumulation precision", written
 from scratch on the Pallas primitives; jax's ``hopper_matmul_mgpu.py`` shows the warp-specialized pattern):
