@@ -16,8 +16,9 @@ devices only, bitwise one device's rows). The full recipe has not been run. Meas
 docs/benchmarks.md): 2 of 48 layers at the GRPO smoke shape (scripts/bench_grpo_step.py, random weights): 0.373 s per
 step, the same as BF16 (launch-bound at 2,048 tokens), and sampler == trainer exactly (check_loop_exactness.py: 0 of
 2048 tokens differ); at a training-like size (512 x 272 tokens per step, bench_grpo_step.py --set ..., 2026-12-03,
-expert wgrads on the kernels) 2.86 s per step vs BF16 3.18 s (1.11x), still exact. Accuracy: nothing measured. The
-GRPO settings are llama8b_fp8.py's (NeMo RL's Llama-3.1-8B FP8 recipe), not tuned for this model.
+expert wgrads on the kernels) 2.86 s per step vs BF16 3.18 s (1.11x), still exact; per MoE layer (4 layers minus 2)
+1.31x. Accuracy: nothing measured. The GRPO settings are llama8b_fp8.py's (NeMo RL's Llama-3.1-8B FP8 recipe), not
+tuned for this model.
 """
 
 import ml_collections
