@@ -128,9 +128,9 @@ def test_grpo_step_with_expert_parallelism(tmp_path):
   run the experts through the same exchange as the training rows), loss and gradient norm within summation order
   (the replicated weights' gradients are summed over the 4 devices), the experts' update (Adam with eps 1: about
   -lr x gradient) pointing the same way (cosine >= 0.99: the summation-order differences upstream round FP8
-  differently; a wrong expert gradient gives ~0), the expert weights stored split over the expert axis. (With fsdp > 1 the sampler vs trainer
-  reads 1.0000001 on CPU, with or without experts split: the output head as XLA partitions it inside the whole
-  program, every decoder block being bitwise; README, "Multi-GPU".)"""
+  differently; a wrong expert gradient gives ~0), the expert weights stored split over the expert axis. (With
+  fsdp > 1 the sampler vs trainer reads 1.0000001 on CPU, with or without experts split: the output head as XLA
+  partitions it inside the whole program, every decoder block being bitwise; README, "Multi-GPU".)"""
   out = _run(STEP_SCRIPT, tmp=str(tmp_path))
   assert out["ep_spec"][0] == "expert", out
   assert out["one"]["grad_norm"] > 0, out
