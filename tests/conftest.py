@@ -1,11 +1,18 @@
 """Imported by pytest before any test module: fp8jax must come before jax so its XLA flags apply (fp8jax/__init__).
 
-XLA's persistent compilation cache stays off (jax's default). It had been switched on here to save the trainer
-tests' recompiles (38 s for the first tiny trainer, 7.6 s for the next), but with it on, XLA:CPU segfaulted three
-times in test_trainer's MoE RL step (twice in ``compilation_cache.put_executable_and_time``, once in
-``backend_compile_and_load`` under ``_compile_and_write_cache``, 2026-12-01) and the same test passed without it
-(258 s); on the H200 writing an entry serialized and compressed a 512 MiB closed-over weight for 190 s, which had
-been reported as a kernel hang. FP8JAX_TEST_XLA_CACHE=1 switches it on (in a fresh temporary directory).
+XLA's persistent compilation cache is on for the suite on machines without an NVIDIA GPU (CI), in one temporary
+directory shared by the pytest-xdist workers and by the subprocesses the tests start (scripts/train.py,
+scripts/parity.py, the sharded and multi-process runs: they get it through JAX_COMPILATION_CACHE_DIR). Most of the
+suite's time is XLA:CPU compiling, and many tests build the same tiny trainer, each object tracing its own jitted
+steps (so monkeypatches seen at trace time still see them) and compiling the same HLO again: with the cache those
+compile once per run. The cache reuses XLA's compiled code for an identical program (same HLO, same XLA flags,
+same devices), so it changes no result. FP8JAX_TEST_XLA_CACHE=0 switches it off; =1 switches it on with a GPU too
+(on the H200 writing an entry once serialized a 512 MiB closed-over weight for 190 s, so GPU runs leave it off).
+
+History: it had been on before (38 s for the first tiny trainer, 7.6 s for the next) and was switched off after
+XLA:CPU segfaulted three times in test_trainer's MoE RL step (twice in ``compilation_cache.put_executable_and_time``,
+once in ``backend_compile_and_load`` under ``_compile_and_write_cache``, 2026-12-01), before the cause below was
+found and fixed.
 
 Those segfaults (and CI's exit 139 at test ~609 of 627 with the cache off) were most likely not the cache's: every
 executable XLA:CPU compiles keeps ~3 memory mappings until jax drops it, one pytest process compiles thousands, and
@@ -25,12 +32,25 @@ import fp8jax  # noqa: F401
 import jax
 import pytest
 
-if os.environ.get("FP8JAX_TEST_XLA_CACHE"):
-  _CACHE_DIR = tempfile.mkdtemp(prefix="fp8jax-test-xla-cache-")
-  atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
-  jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+def _xla_cache_wanted() -> bool:
+  flag = os.environ.get("FP8JAX_TEST_XLA_CACHE")
+  if flag is not None:
+    return flag not in ("", "0")
+  return shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidia0")
+
+
+if _xla_cache_wanted():
+  # The first process (pytest, or its xdist controller) makes the directory; the workers and subprocesses inherit
+  # the variable, so all of them share one cache; the process that made it removes it at exit.
+  _CACHE_DIR = os.environ.get("FP8JAX_TEST_XLA_CACHE_DIR")
+  if not _CACHE_DIR:
+    _CACHE_DIR = tempfile.mkdtemp(prefix="fp8jax-test-xla-cache-")
+    os.environ["FP8JAX_TEST_XLA_CACHE_DIR"] = _CACHE_DIR
+    atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+  for _name, _value in (("jax_compilation_cache_dir", _CACHE_DIR), ("jax_persistent_cache_min_compile_time_secs", 0),
+                        ("jax_persistent_cache_min_entry_size_bytes", 0)):
+    os.environ[_name.upper()] = str(_value)  # for the subprocesses (jax reads JAX_* at import)
+    jax.config.update(_name, _value)
 
 
 _MAX_MAPS = 30_000  # half of Linux's default vm.max_map_count (65530)
@@ -60,3 +80,4 @@ def _drop_compiled_when_near_the_map_limit():
   yield
   if _map_count() > _MAX_MAPS:
     _drop_compiled()
+
