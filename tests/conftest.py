@@ -81,3 +81,44 @@ def _drop_compiled_when_near_the_map_limit():
   if _map_count() > _MAX_MAPS:
     _drop_compiled()
 
+
+# The longest tests (seconds alone on CI's 2-core machine, docs/benchmarks.md), started first: pytest-xdist's
+# worksteal scheduler hands each worker one contiguous block of the collection and later moves tests from the end
+# of a busy worker's queue, so a long test near the end of a block used to end the run alone. These are spread over
+# the blocks (the longest first, each to the block with the least of them so far) and put at the blocks' starts.
+_LONGEST = {
+    "tests/test_trainer.py::test_tiny_default_learns": 630,
+    "tests/test_distributed.py::test_two_process_run_equals_one_process_on_the_same_mesh": 324,
+    "tests/test_trainer.py::test_sharded_equals_unsharded_on_4_and_8_fake_devices": 226,
+    "tests/test_trainer.py::test_resume_gives_the_same_metrics": 190,
+    "tests/test_trainer.py::test_moe_rl_step_with_and_without_the_load_balancing_loss": 161,
+    "tests/test_trainer.py::test_rerun_of_a_finished_run_says_so_and_summarizes_it": 150,
+    "tests/test_parity.py::test_parity_smoke_runs_the_script_and_writes_json_and_png": 127,
+}
+
+
+def _block_sizes(n: int, workers: int) -> list[int]:
+  """The sizes of the blocks xdist's WorkStealingScheduling.check_schedule sends to ``workers`` idle workers."""
+  sizes = []
+  for i in range(workers):
+    sizes.append(n // (workers - i))
+    n -= sizes[-1]
+  return sizes
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  longest = sorted((it for it in items if it.nodeid in _LONGEST), key=lambda it: -_LONGEST[it.nodeid])
+  if not longest:
+    return
+  workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+  rest = [it for it in items if it.nodeid not in _LONGEST]
+  blocks = [[] for _ in range(workers)]
+  for it in longest:
+    min(blocks, key=lambda b: sum(_LONGEST[x.nodeid] for x in b)).append(it)
+  ordered = []
+  for block, size in zip(blocks, _block_sizes(len(items), workers)):
+    take = max(0, size - len(block))
+    ordered += block + rest[:take]
+    rest = rest[take:]
+  items[:] = ordered + rest
