@@ -82,7 +82,7 @@ def _drop_compiled_when_near_the_map_limit():
     _drop_compiled()
 
 
-# The longest tests (seconds alone on CI's 2-core machine, docs/benchmarks.md), started first: pytest-xdist's
+# The longest tests (seconds on CI's 2-core machine, docs/benchmarks.md), started first: pytest-xdist's
 # worksteal scheduler hands each worker one contiguous block of the collection and later moves tests from the end
 # of a busy worker's queue, so a long test near the end of a block used to end the run alone. These are spread over
 # the blocks (the longest first, each to the block with the least of them so far) and put at the blocks' starts.
@@ -90,6 +90,7 @@ _LONGEST = {
     "tests/test_trainer.py::test_tiny_default_learns": 630,
     "tests/test_distributed.py::test_two_process_run_equals_one_process_on_the_same_mesh": 324,
     "tests/test_trainer.py::test_sharded_equals_unsharded_on_4_and_8_fake_devices": 226,
+    "tests/test_moe_parallel.py::test_grpo_step_with_expert_parallelism": 197,
     "tests/test_trainer.py::test_resume_gives_the_same_metrics": 190,
     "tests/test_trainer.py::test_moe_rl_step_with_and_without_the_load_balancing_loss": 161,
     "tests/test_trainer.py::test_rerun_of_a_finished_run_says_so_and_summarizes_it": 150,
