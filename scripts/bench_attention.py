@@ -266,8 +266,8 @@ def _bitwise_decode_equals_training(cfg, kern, b=4, t=1500):
       k, v = kvcache.quantize_kv(k, ks), kvcache.quantize_kv(v, vs)
     qs, vsc = attn._scales(D, ks, vs)
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-    # The trainer passes FP8 codes as BF16 values (exact); with FP16 operands it must pass the codes themselves.
-    tk, tv = (k, v) if cfg.fp8_operands == "float16" else (k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+    # The trainer passes FP8 codes as BF16 values (exact); with other operand forms it must pass the codes themselves.
+    tk, tv = (k, v) if cfg.fp8_operands != "bfloat16" else (k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
     train, _ = kern.attention_seq(q, tk, tv, pos, qs, vsc, config=cfg)
     s = kvcache.padded_len(t + 200)
     ck = jnp.zeros((b, s, KV, D), k.dtype).at[:, :t].set(k)
@@ -279,8 +279,9 @@ def _bitwise_decode_equals_training(cfg, kern, b=4, t=1500):
 
 
 def sweep_configs(which: str):
-  """The configs of a sweep: "tiles" (row tiles and pipelines) or "fp8_operands" (FP16 instead of BF16 dot operands
-  for FP8 K/V codes, TuningConfig.fp8_operands, beside the default)."""
+  """The configs of a sweep: "tiles" (row tiles and pipelines), "fp8_operands" (FP16 instead of BF16 dot operands
+  for FP8 K/V codes, TuningConfig.fp8_operands, beside the default) or "fp8_math" (E4M3 Q.K^T, and P.V, on the
+  codes)."""
   from pallas_kernels import attention_triton as kern  # noqa: PLC0415
   TC = kern.TuningConfig
   if which == "tiles":
@@ -289,7 +290,11 @@ def sweep_configs(which: str):
   if which == "fp8_operands":
     f16 = dict(fp8_operands="float16")
     return [TC(), TC(**f16), TC(**f16, decode_num_stages=3), TC(**f16, decode_num_stages=1)]
-  raise ValueError(f"--sweep_set must be tiles or fp8_operands, got {which!r}")
+  if which == "fp8_math":
+    return [TC(), TC(fp8_operands="float16"), TC(fp8_operands="float8"), TC(fp8_operands="float8", decode_num_stages=3),
+            TC(fp8_operands="float8", decode_num_stages=1), TC(fp8_operands="float8_pv"),
+            TC(fp8_operands="float8_pv", decode_num_stages=3)]
+  raise ValueError(f"--sweep_set must be tiles, fp8_operands or fp8_math, got {which!r}")
 
 
 def sweep_rows(which="tiles", b=8, t=4096, slots=256, max_len=1536, mean_ctx=1024):
@@ -302,6 +307,9 @@ def sweep_rows(which="tiles", b=8, t=4096, slots=256, max_len=1536, mean_ctx=102
   q, k, v, do = jax.block_until_ready(_inputs(b, t, seed=3))
   pos = jnp.broadcast_to(jnp.arange(t), (b, t))
   qs, vsc = attn._scales(D, None, None)
+  kv_scale = jnp.float32(4 / 448)  # the training forward over FP8 K/V codes (the FP8 KV recipe's operands)
+  k8, v8 = kvcache.quantize_kv(k, kv_scale), kvcache.quantize_kv(v, kv_scale)
+  qs8, vsc8 = attn._scales(D, kv_scale, kv_scale)
   fwd_flops = 4 * b * H * t * t * D / 2
   caches = {fp8: decode_operands(fp8, slots, max_len, mean_ctx, key=jax.random.key(10 + fp8)) for fp8 in (True, False)}
   rows = []
@@ -313,11 +321,18 @@ def sweep_rows(which="tiles", b=8, t=4096, slots=256, max_len=1536, mean_ctx=102
           ms, _ = jax_time_ms(lambda q, k, v, c=cfg: kern.attention_seq(q, k, v, pos, qs, vsc, config=c)[0],
                               [(q, k, v)])
           row.update(fwd_ms=ms, fwd_tflops=fwd_flops / ms / 1e9)
-          for fp8, (dq_, ck, cv, dpos, _, live) in caches.items():
+          ms, _ = jax_time_ms(lambda q, k, v, c=cfg: kern.attention_seq(q, k, v, pos, qs8, vsc8, config=c)[0],
+                              [(q, k8, v8)])
+          row.update(fwd_fp8kv_ms=ms, fwd_fp8kv_tflops=fwd_flops / ms / 1e9)
+          for fp8, (dq_, ck, cv, dpos, dks, live) in caches.items():
             ms, _ = jax_time_ms(lambda q, ck, cv, p, c=cfg: kern.attention_heads(q, ck, cv, p, qs, vsc, config=c),
                                 [(dq_, ck, cv, dpos)], iters=10)
             row["decode_fp8_us" if fp8 else "decode_bf16_us"] = ms * 1e3
             row["decode_fp8_gbps" if fp8 else "decode_bf16_gbps"] = live / ms / 1e6
+            if fp8:  # the operand form's error on the FP8 cache, against the contract's BF16 operands
+              dqs, dvs = attn._scales(D, dks, dks)
+              out = kern.attention_heads(dq_, ck, cv, dpos, dqs, dvs, config=cfg)
+              row["decode_fp8_err_vs_bf16_operands"] = rel_err(out, kern.attention_heads(dq_, ck, cv, dpos, dqs, dvs))
           row["bitwise_decode_eq_train"] = _bitwise_decode_equals_training(cfg, kern)
         else:
           f = lambda q, k, v, do, c=cfg: jax.vjp(lambda q, k, v: attn._flash_train(q, k, v, qs, vsc, c),  # noqa
@@ -342,7 +357,7 @@ def main():
   p.add_argument("--no_decode", action="store_true")
   p.add_argument("--train_step", action="store_true")
   p.add_argument("--sweep", action="store_true", help="tile / pipeline configs side by side (and their bits)")
-  p.add_argument("--sweep_set", default="tiles", help="tiles | fp8_operands (sweep_configs)")
+  p.add_argument("--sweep_set", default="tiles", help="tiles | fp8_operands | fp8_math (sweep_configs)")
   p.add_argument("--seqs", type=int, default=8)
   p.add_argument("--seq_len", type=int, default=4096)
   p.add_argument("--layers", type=int, default=2)
@@ -358,9 +373,10 @@ def main():
   if a.sweep:
     result["sweep"] = rows = sweep_rows(a.sweep_set)
     name = "attention_sweep.json"
-    table = [f"{'kind':4s} {'fwd TF/s':>8s} {'fwd+bwd ms':>10s} {'dec fp8 GB/s':>12s} {'dec bf16 GB/s':>13s} "
-             f"{'bitwise':>7s}  config"]
-    table += [f"{r['kind']:4s} {fmt(r.get('fwd_tflops')):>8s} {fmt(r.get('fwd_bwd_ms'), '{:.2f}'):>10s} "
+    table = [f"{'kind':4s} {'fwd TF/s':>8s} {'fwd fp8kv':>9s} {'fwd+bwd ms':>10s} {'dec fp8 GB/s':>12s} "
+             f"{'dec bf16 GB/s':>13s} {'bitwise':>7s}  config"]
+    table += [f"{r['kind']:4s} {fmt(r.get('fwd_tflops')):>8s} {fmt(r.get('fwd_fp8kv_tflops')):>9s} "
+              f"{fmt(r.get('fwd_bwd_ms'), '{:.2f}'):>10s} "
               f"{fmt(r.get('decode_fp8_gbps')):>12s} {fmt(r.get('decode_bf16_gbps')):>13s} "
               f"{str(r.get('bitwise_decode_eq_train', '-')):>7s}  {r['config']}" + (" ERROR" if "error" in r else "")
               for r in rows]
