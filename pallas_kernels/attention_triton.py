@@ -40,11 +40,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import fp8_quant
 from pallas_kernels.attention import BLOCK_KV, check_operands, pad_keys
 
 HEAD_DIMS = (64, 128)
-FP8_OPERANDS = ("bfloat16", "float16", "float8", "float8_pv")
+FP8_OPERANDS = ("bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +73,9 @@ class TuningConfig:
   bwd_num_warps: int = 4
   bwd_num_stages: int = 2
   # Operand dtype of the dots when K/V are float8_e4m3fn codes: "bfloat16" (the contract: codes upcast exactly to
-  # BF16, Q and P in BF16) or experiments (decode and training must use the same): "float16" (E4M3 -> FP16 is one
-  # hardware conversion per pair, where E4M3 -> BF16 goes through FP32; Q and P then round to FP16); "float8" (FP8
-  # math for Q.K^T: each query row quantized to E4M3 by the library's quantizer, 1 x D group, FP32 scale folded into
-  # the scores; K codes straight into an E4M3 dot, no conversion; P.V as "float16"); "float8_pv" ("float8" and P.V
-  # on E4M3 too: P in [0, 1] cast to E4M3, V codes as they are).
+  # BF16, Q and P in BF16) or "float16" (an experiment: E4M3 -> FP16 is one hardware conversion per pair, where
+  # E4M3 -> BF16 goes through FP32; Q and P then round to FP16). Decode and training must use the same. (E4M3 math
+  # on the codes was measured slower in this lowering: docs/benchmarks.md.)
   fp8_operands: str = "bfloat16"
 
   def __post_init__(self):
@@ -134,19 +131,14 @@ def _update(carry, q, kb, vb, start, key, pos, last, qk_scale, *, masked: bool):
   return (jnp.where(active, m_new, m), jnp.where(active, l_new, l), jnp.where(active[:, None], acc_new, acc))
 
 
-def _operands(q, k_dtype, fp8_operands: str, qk_scale, native_cast: bool):
-  """(q as the dots take it, K block dtype, V block dtype, score scale: scalar or per row (block_q, 1))."""
+def _operands(q, k_dtype, fp8_operands: str):
+  """(q as the dots take it, K/V block dtype)."""
   if k_dtype != jnp.float8_e4m3fn or fp8_operands == "bfloat16":
-    return q, q.dtype, q.dtype, qk_scale
-  if fp8_operands == "float16":
-    return q.astype(jnp.float16), jnp.float16, jnp.float16, qk_scale
-  q8, q_scale = fp8_quant._quantize_rows(q, False, native_cast)  # the quantizer's 1 x 128 math (D = 128 or 64)
-  v_dtype = jnp.float8_e4m3fn if fp8_operands == "float8_pv" else jnp.float16
-  return q8, jnp.float8_e4m3fn, v_dtype, q_scale * qk_scale
+    return q, q.dtype
+  return q.astype(jnp.float16), jnp.float16
 
 
-def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_ref=None, fp8_operands="bfloat16",
-                 native_cast: bool = True):
+def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_ref=None, fp8_operands="bfloat16"):
   """(block_q, D) query rows at positions ``pos`` over key/value head ``kvh`` of sequence ``b`` ->
   (out (block_q, D) in q's dtype, lse (block_q,) FP32 log2 units; +inf for a row that sees no key).
 
@@ -154,7 +146,7 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_
   ``pt_ref[b, j]`` (the same blocks in the same order: the same bits as the dense form)."""
   bq, d = q.shape
   out_dtype = q.dtype
-  q, k_dtype, v_dtype, qk_scale = _operands(q, k_ref.dtype, fp8_operands, qk_scale, native_cast)
+  q, kv_dtype = _operands(q, k_ref.dtype, fp8_operands)
   last = jnp.max(pos)
   big = jnp.int32(2**30)
   first = jnp.min(jnp.where(pos >= 0, pos, big))
@@ -168,10 +160,10 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_
     start = pl.multiple_of(j * BLOCK_KV, BLOCK_KV)
     if pt_ref is None:
       keys = pl.ds(start, BLOCK_KV)
-      kb, vb = k_ref[b, keys, kvh, :].astype(k_dtype), v_ref[b, keys, kvh, :].astype(v_dtype)
+      kb, vb = k_ref[b, keys, kvh, :].astype(kv_dtype), v_ref[b, keys, kvh, :].astype(kv_dtype)
     else:  # the page index from the row loaded before the loop: no load the K/V addresses wait on
       page = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, pages.shape, 0) == j, pages, 0))
-      kb, vb = k_ref[page, :, kvh, :].astype(k_dtype), v_ref[page, :, kvh, :].astype(v_dtype)
+      kb, vb = k_ref[page, :, kvh, :].astype(kv_dtype), v_ref[page, :, kvh, :].astype(kv_dtype)
     key = start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0)
     return _update(carry, q, kb, vb, start, key, pos, last, qk_scale, masked=masked)
 
@@ -186,23 +178,23 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_
 
 
 def _seq_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool,
-                    fp8_operands: str, native_cast: bool):
+                    fp8_operands: str):
   pt_ref, (o_ref, lse_ref) = (rest[0], rest[1:]) if paged else (None, rest)
   b, h, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
   out, lse = _attend_tile(q_ref[b, rows, h, :], pos_ref[b, rows], k_ref, v_ref, b, lax.div(h, g), sc_ref[0],
-                          sc_ref[1], n_kb, pt_ref, fp8_operands, native_cast)
+                          sc_ref[1], n_kb, pt_ref, fp8_operands)
   o_ref[b, rows, h, :] = out
   lse_ref[b, h, rows] = lse
 
 
 def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, n_kb: int, bq: int, paged: bool,
-                      fp8_operands: str, native_cast: bool):
+                      fp8_operands: str):
   pt_ref, o_ref = (rest[0], rest[1]) if paged else (None, rest[0])
   b, kvh, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
   out, _ = _attend_tile(q_ref[b, kvh, rows, :], pos_ref[b, rows], k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb,
-                        pt_ref, fp8_operands, native_cast)
+                        pt_ref, fp8_operands)
   o_ref[b, kvh, rows, :] = out
 
 
@@ -249,7 +241,7 @@ def attention_seq(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale,
   tp = q.shape[1]
   out, lse = pl.pallas_call(
       functools.partial(_seq_fwd_kernel, g=g, n_kb=n_kb, bq=config.block_q, paged=bool(extra),
-                        fp8_operands=config.fp8_operands, native_cast=not interpret),
+                        fp8_operands=config.fp8_operands),
       out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, tp), jnp.float32)),
       grid=(b, h, tp // config.block_q),
       compiler_params=_params(config.num_warps, config.num_stages),
@@ -274,7 +266,7 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
   k, v, extra, n_kb = _keys(k_BxSxKxD, v_BxSxKxD, page_table_BxNb)
   out = pl.pallas_call(
       functools.partial(_heads_fwd_kernel, n_kb=n_kb, bq=config.decode_block_q, paged=bool(extra),
-                        fp8_operands=config.fp8_operands, native_cast=not interpret),
+                        fp8_operands=config.fp8_operands),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       grid=(b, n_kv, r // config.decode_block_q),
       compiler_params=_params(config.decode_num_warps, config.decode_num_stages if k.dtype == jnp.float8_e4m3fn
