@@ -188,14 +188,23 @@ def _seq_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: i
   lse_ref[b, h, rows] = lse
 
 
-def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, n_kb: int, bq: int, paged: bool,
+def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool,
                       fp8_operands: str):
   pt_ref, o_ref = (rest[0], rest[1]) if paged else (None, rest[0])
   b, kvh, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
-  out, _ = _attend_tile(q_ref[b, kvh, rows, :], pos_ref[b, rows], k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb,
-                        pt_ref, fp8_operands)
-  o_ref[b, kvh, rows, :] = out
+  # Rows ti * bq + r of the G heads of KV head kvh, read straight from the (B, H, D) queries: rows past G (the
+  # padding up to a whole 64-row warpgroup tile) are built in registers as zeros at position -1, never in HBM.
+  r = ti * bq + lax.broadcasted_iota(jnp.int32, (bq,), 0)
+  real = r < g
+  heads = kvh * g + jnp.minimum(r, g - 1)  # padding rows load a real row (in bounds), then are zeroed
+  q = jnp.where(real[:, None], q_ref[b, heads, :], jnp.zeros((), q_ref.dtype))
+  pos = jnp.where(real, pos_ref[b], -1)
+  out, _ = _attend_tile(q, pos, k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb, pt_ref, fp8_operands)
+  # Masked store of the real rows; the padding rows' indices point past the last head (distinct, never written:
+  # masked off on the GPU, dropped by interpret mode's scatter).
+  dest = jnp.where(real, heads, o_ref.shape[1] + r)
+  cols = lax.broadcasted_iota(jnp.int32, (1, out.shape[1]), 1)
+  pltriton.store(o_ref.at[b, dest[:, None], cols], out, mask=jnp.broadcast_to(real[:, None], out.shape))
 
 
 def _scalars(qk_scale, v_scale):
@@ -260,20 +269,17 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
   check_operands(q_BxHxD[:, None], k_BxSxKxD, v_BxSxKxD, q_pos_B[:, None], page_table_BxNb, BLOCK_KV)
   n_kv = k_BxSxKxD.shape[2]
   g = h // n_kv
-  q = _pad_rows(q_BxHxD.reshape(b, n_kv, g, d), 2, config.decode_block_q)
-  r = q.shape[2]
-  pos = jnp.where(jnp.arange(r) < g, q_pos_B.astype(jnp.int32)[:, None], -1)
+  bq = config.decode_block_q
   k, v, extra, n_kb = _keys(k_BxSxKxD, v_BxSxKxD, page_table_BxNb)
-  out = pl.pallas_call(
-      functools.partial(_heads_fwd_kernel, n_kb=n_kb, bq=config.decode_block_q, paged=bool(extra),
+  return pl.pallas_call(
+      functools.partial(_heads_fwd_kernel, g=g, n_kb=n_kb, bq=bq, paged=bool(extra),
                         fp8_operands=config.fp8_operands),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      grid=(b, n_kv, r // config.decode_block_q),
+      out_shape=jax.ShapeDtypeStruct(q_BxHxD.shape, q_BxHxD.dtype),
+      grid=(b, n_kv, -(-g // bq)),
       compiler_params=_params(config.decode_num_warps, config.decode_num_stages if k.dtype == jnp.float8_e4m3fn
                               else config.decode_num_stages_bf16),
       interpret=interpret, name="fp8jax_attention_decode",
-  )(q, k, v, pos, _scalars(qk_scale, v_scale), *extra)
-  return out[:, :, :g].reshape(b, h, d)
+  )(q_BxHxD, k, v, q_pos_B.astype(jnp.int32), _scalars(qk_scale, v_scale), *extra)
 
 
 # ------------------------------------------------------------------------------------------------------------------
