@@ -13,9 +13,10 @@ in ``pallas_kernels.attention``; both backends follow it:
 back to the reference with a logged warning, and every choice is listed in ``ops.backend_report()`` under
 ``attention:``, so a change of numerics is never silent. "pallas" raises where the kernels cannot run.
 
-K/V forms: BF16 values (scales 1), or E4M3 codes with per-layer FP32 scales applied after the dots (the FP8 KV
-recipe): the cache's float8_e4m3fn arrays in the sampler, the same codes as BF16 values (``kvcache.kv_codes``,
-straight-through) in the trainer. ``k_scale`` goes into the scores, ``v_scale`` into the output.
+K/V forms: BF16 values (no scales), or E4M3 codes with per-layer FP32 scales applied after the dots (the FP8 KV
+recipe; passing ``k_scale`` says the K/V are codes): the cache's float8_e4m3fn arrays in the sampler, the same codes
+as BF16 values (``kvcache.kv_codes``, straight-through) in the trainer. ``k_scale`` goes into the scores, ``v_scale``
+into the output. Codes take the contract's FP16 dot operands on every backend (``pallas_kernels.attention``).
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ def _scales(d: int, k_scale, v_scale, sm_scale=None):
   return qk, jnp.float32(1.0) if v_scale is None else jnp.asarray(v_scale, jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash_train(q, k, v, qk_scale, v_scale, cfg):
-  return _flash_train_fwd(q, k, v, qk_scale, v_scale, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash_train(q, k, v, qk_scale, v_scale, cfg, codes=False):
+  return _flash_train_fwd(q, k, v, qk_scale, v_scale, cfg, codes)[0]
 
 
 def _positions(q):
@@ -71,15 +72,18 @@ def _positions(q):
   return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
 
-def _flash_train_fwd(q, k, v, qk_scale, v_scale, cfg):
-  out, lse = _kernels().attention_seq(q, k, v, _positions(q), qk_scale, v_scale, config=cfg)
+def _flash_train_fwd(q, k, v, qk_scale, v_scale, cfg, codes=False):
+  # Codes (BF16 holding E4M3 values) go to the kernel as FP16, exact: the sampler's FP16 operands, no conversion in
+  # the tile; the gradients stay in k's dtype (the backward reads the BF16 codes).
+  kk, vv = (k.astype(jnp.float16), v.astype(jnp.float16)) if codes else (k, v)
+  out, lse = _kernels().attention_seq(q, kk, vv, _positions(q), qk_scale, v_scale, config=cfg)
   return out, (q, k, v, qk_scale, v_scale, out, lse)
 
 
-def _flash_train_bwd(cfg, res, do):
+def _flash_train_bwd(cfg, codes, res, do):
   q, k, v, qk_scale, v_scale, out, lse = res
   dq, dk, dv = _kernels().attention_seq_bwd(q, k, v, _positions(q), qk_scale, v_scale, out, lse, do,
-                                            causal_rows=True, config=cfg)
+                                            causal_rows=True, kv_codes=codes, config=cfg)
   return dq, dk, dv, jnp.zeros_like(qk_scale), jnp.zeros_like(v_scale)
 
 
@@ -117,7 +121,8 @@ def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None,
 
   positions_BxT=None: the training form, queries and keys are the same T positions 0..T-1 (differentiable in q, k,
   v). Otherwise the cache form (prefill T > 1, decode T = 1): query t of row b is at positions_BxT[b, t] and sees the
-  cache entries 0..positions_BxT[b, t] (forward only). k/v: BF16 values or codes, or float8_e4m3fn codes (cache).
+  cache entries 0..positions_BxT[b, t] (forward only). k/v: BF16 values or codes, or float8_e4m3fn codes (cache);
+  ``k_scale`` given: they are codes (FP16 dot operands).
   ``mesh``: with the pallas backend on a multi-device mesh, each device attends its own sequences (and heads).
   ``sm_scale``: the softmax scale (a Python float; default 1/sqrt(D)): MLA's absorbed form attends over
   kv_lora_rank + qk_rope_head_dim dims but scales by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) (x YaRN's mscale^2).
@@ -132,14 +137,18 @@ def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None,
                      f"{q_BxTxHxD.shape} and k {k_BxSxKxD.shape}; pass positions_BxT for a cache")
   pos = _positions(q_BxTxHxD) if positions_BxT is None else positions_BxT.astype(jnp.int32)
   qk_scale, vs = _scales(d, k_scale, v_scale, sm_scale)
+  codes = ref.is_codes(k_BxSxKxD, k_scale is not None)
   if resolve_backend(backend, q_BxTxHxD, k_BxSxKxD) == "xla":
-    return ref.attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, qk_scale, vs, page_table_BxNb=page_table)[0]
+    return ref.attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, qk_scale, vs, page_table_BxNb=page_table,
+                                   kv_codes=codes)[0]
   ref.check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, page_table, ref.BLOCK_KV)
   kern = _kernels()
   cfg = kern.TuningConfig()
   if positions_BxT is None:
-    fn = lambda q, k, v, qs, s: _flash_train(q, k, v, qs, s, cfg)  # noqa: E731
+    fn = lambda q, k, v, qs, s: _flash_train(q, k, v, qs, s, cfg, codes)  # noqa: E731
     return _per_device(fn, mesh, q_BxTxHxD, k_BxSxKxD, 3)(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, qk_scale, vs)
+  if codes and k_BxSxKxD.dtype == q_BxTxHxD.dtype:  # codes held in BF16 over a cache: FP16 operands, as in the tile
+    k_BxSxKxD, v_BxSxKxD = k_BxSxKxD.astype(jnp.float16), v_BxSxKxD.astype(jnp.float16)
   if t == 1:
     fn = lambda q, k, v, p, qs, s, *pt: kern.attention_heads(q[:, 0], k, v, p[:, 0], qs, s, *pt,  # noqa: E731
                                                             config=cfg)[:, None]

@@ -2,7 +2,8 @@
 
 Operands (one layout for training, prefill and decode):
   q_BxTxHxD      queries (BF16), T query rows per sequence at positions ``q_pos_BxT`` (-1: a padding row).
-  k_BxSxKxD      keys: BF16 values, or E4M3 codes (BF16 holding code values, or float8_e4m3fn read from an FP8 cache).
+  k_BxSxKxD      keys: BF16 values, or E4M3 codes (float8_e4m3fn read from an FP8 cache, or the code values held
+                 in BF16 or FP16: exact; the caller says ``kv_codes``).
   v_BxSxKxD      values, the same forms. The key/value at index j has position j.
   qk_scale       FP32 scalar multiplied into every raw dot q.k (the caller's k_scale / sqrt(D) * log2(e): scores
                  are kept in log2 units, so the softmax uses exp2).
@@ -18,12 +19,17 @@ its position and the keys it sees):
   for key block n = 0, 1, ... in increasing order, with blocks of bk keys [bk n, bk n + bk), as long as bk n <= p
   (later blocks are not visited at all); bk is fixed per backend (``key_block``): BLOCK_KV = 128 for the GPU
   kernels, CPU_BLOCK_KV = 16 for the CPU reference (invariance needs a fixed block, not a particular one):
-    s   = (q . k_j) * qk_scale  for j in the block, FP32 dots of BF16 operands; -inf where j > p
+    s   = (q . k_j) * qk_scale  for j in the block, FP32 dots of BF16 operands (of FP16 operands for E4M3 codes,
+          below); -inf where j > p
     m'  = max(m, max_j s);  m0 = m' (0 if m' = -inf)
     l   = l * exp2(m - m0) + sum_j exp2(s - m0)
-    acc = acc * exp2(m - m0) + dot(bf16(exp2(s - m0)), v)        (FP32 accumulation)
+    acc = acc * exp2(m - m0) + dot(bf16(exp2(s - m0)), v)        (FP32 accumulation; fp16(...) for codes)
     m   = m'
   out = bf16(acc * (v_scale / l))  (0 where l = 0: a row that sees no key);  lse = m + log2(l) (log2 units).
+E4M3 codes (the FP8 KV recipe) take FP16 dot operands: the codes are exact in FP16, Q is clipped to +-65504 and
+rounded to FP16 (exact for BF16 Q in FP16's normal range), P rounds to FP16 (3 more bits than BF16 in [2^-14, 1]).
+Why: on the GPU, E4M3 -> FP16 is one conversion per pair, E4M3 -> BF16 goes through FP32; the FP8 decode tile is
+bound by that upcast, and FP16 operands run it 1.18x faster (docs/benchmarks.md, "FP16 operands").
 Nothing depends on how many rows, heads, sequences or slots are computed together or on the key length S beyond
 the row's own blocks: no split over keys, no shape-dependent block size. So a decode row (one query over a slot's
 cache) and the training row at the same position (a sequence of queries over their own keys) run the same
@@ -75,8 +81,11 @@ def check_operands(q, k, v, q_pos, page_table=None, block_kv: int | None = None)
   if q_pos.shape != (b, t):
     raise ValueError(f"attention: q_pos must be (B, T) = {(b, t)}, got {tuple(q_pos.shape)}")
   for name, x in (("k", k), ("v", v)):
-    if x.dtype not in (jnp.dtype(q.dtype), jnp.dtype(jnp.float8_e4m3fn)):
-      raise ValueError(f"attention: {name} must be {jnp.dtype(q.dtype)} (q's dtype) or float8_e4m3fn, got {x.dtype}")
+    if x.dtype not in (jnp.dtype(q.dtype), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float16)):
+      raise ValueError(f"attention: {name} must be {jnp.dtype(q.dtype)} (q's dtype), or E4M3 codes as float8_e4m3fn or "
+                       f"float16, got {x.dtype}")
+  if k.dtype != v.dtype:
+    raise ValueError(f"attention: k and v must have one dtype, got k {k.dtype} and v {v.dtype}")
 
 
 def pad_keys(x_BxSxKxD, block: int):
@@ -90,10 +99,25 @@ CPU_BLOCK_KV = 16  # the CPU reference's key block (attention_reference)
 TILE_ROWS = 256  # rows per step of the CPU reference's lax.map
 
 
+FP16_MAX = 65504.0
+
+
+@jax.custom_jvp
+def fp16_round(x):
+  """FP32 values rounded to FP16 (clipped to its range), kept in FP32; the gradient passes straight through in FP32
+  (so no cotangent is ever held in FP16). The contract's FP16 operands for E4M3 codes: an FP32 dot of these values
+  is the FP16-operand dot (products of FP16 values are exact in FP32; TF32 holds FP16 values exactly too)."""
+  return jnp.clip(x.astype(jnp.float32), -FP16_MAX, FP16_MAX).astype(jnp.float16).astype(jnp.float32)
+
+
+fp16_round.defjvps(lambda g, ans, x: g.astype(jnp.float32))
+
+
 def _block_update(carry, q_RxD, kb_NxD, vb_NxD, start, pos_R, last, qk_scale):
   """One key block [start, start + N) of the contract's online softmax for rows (..., R) sharing the keys (..., N).
 
   ``last``: the largest position among rows sharing these keys (V rows past it are zeroed: stale cache rows).
+  Q in FP32 means the FP16-operand form (E4M3 codes; ``q`` already ``fp16_round``-ed): P is rounded to FP16 too.
   """
   m, l, acc = carry
   dtype = q_RxD.dtype
@@ -106,7 +130,8 @@ def _block_update(carry, q_RxD, kb_NxD, vb_NxD, start, pos_R, last, qk_scale):
   alpha = jnp.exp2(m - m0)
   p = jnp.exp2(s - m0[..., None])
   l_new = l * alpha + jnp.sum(p, axis=-1)
-  acc_new = acc * alpha[..., None] + jnp.einsum("...rn,...nd->...rd", p.astype(dtype), vb,
+  pd = fp16_round(p) if dtype == jnp.float32 else p.astype(dtype)
+  acc_new = acc * alpha[..., None] + jnp.einsum("...rn,...nd->...rd", pd, vb,
                                                 preferred_element_type=jnp.float32)
   active = start <= pos_R  # blocks after a row's own are not visited
   return jnp.where(active, m_new, m), jnp.where(active, l_new, l), jnp.where(active[..., None], acc_new, acc)
@@ -186,11 +211,17 @@ def dense_view(pages_NxPxKxD, table_BxNb):
   return x.reshape(b, nb * p, n_kv, d)
 
 
-def _reference(q_BxTxHxD, k, v, q_pos_BxT, qk_scale, v_scale, block_kv: int, tiled: bool, table=None):
+def is_codes(k, kv_codes: bool) -> bool:
+  """Whether K/V are E4M3 codes (the FP16-operand form): said by the caller, or implied by an FP8 / FP16 dtype."""
+  return bool(kv_codes) or jnp.dtype(k.dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float16))
+
+
+def _reference(q_BxTxHxD, k, v, q_pos_BxT, qk_scale, v_scale, block_kv: int, tiled: bool, table=None, codes=False):
   b, t, h, d = q_BxTxHxD.shape
   n_kv = k.shape[2]
   g, r = h // n_kv, t * (h // n_kv)
-  q_BxKxRxD = q_BxTxHxD.reshape(b, t, n_kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, n_kv, r, d)
+  qo = fp16_round(q_BxTxHxD) if codes else q_BxTxHxD  # FP32 holding FP16 values: the FP16-operand form
+  q_BxKxRxD = qo.reshape(b, t, n_kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, n_kv, r, d)
   pos = q_pos_BxT.astype(jnp.int32)
   pos_BxR, last_B = jnp.repeat(pos, g, axis=1), jnp.max(pos, axis=1)
   qk_scale = jnp.asarray(qk_scale, jnp.float32)
@@ -207,19 +238,19 @@ def _reference(q_BxTxHxD, k, v, q_pos_BxT, qk_scale, v_scale, block_kv: int, til
   return _finish(m, l, acc, v_scale, q_BxTxHxD.dtype, b, t, h, g)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _reference_cpu(q, k, v, pos, qk_scale, v_scale, block_kv):
-  return _reference(q, k, v, pos, qk_scale, v_scale, block_kv, tiled=True)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _reference_cpu(q, k, v, pos, qk_scale, v_scale, block_kv, codes):
+  return _reference(q, k, v, pos, qk_scale, v_scale, block_kv, tiled=True, codes=codes)
 
 
-def _reference_cpu_fwd(q, k, v, pos, qk_scale, v_scale, block_kv):
-  return _reference_cpu(q, k, v, pos, qk_scale, v_scale, block_kv), (q, k, v, pos, qk_scale, v_scale)
+def _reference_cpu_fwd(q, k, v, pos, qk_scale, v_scale, block_kv, codes):
+  return _reference_cpu(q, k, v, pos, qk_scale, v_scale, block_kv, codes), (q, k, v, pos, qk_scale, v_scale)
 
 
-def _reference_cpu_bwd(block_kv, res, cts):
+def _reference_cpu_bwd(block_kv, codes, res, cts):
   q, k, v, pos, qk_scale, v_scale = res
-  _, vjp = jax.vjp(lambda q, k, v, a, c: _reference(q, k, v, pos, a, c, block_kv, tiled=False), q, k, v, qk_scale,
-                   v_scale)
+  _, vjp = jax.vjp(lambda q, k, v, a, c: _reference(q, k, v, pos, a, c, block_kv, tiled=False, codes=codes), q, k, v,
+                   qk_scale, v_scale)
   return (*vjp(cts)[:3], None, *vjp(cts)[3:])
 
 
@@ -227,7 +258,7 @@ _reference_cpu.defvjp(_reference_cpu_fwd, _reference_cpu_bwd)
 
 
 def attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, *, block_kv: int | None = None,
-                        page_table_BxNb=None):
+                        page_table_BxNb=None, kv_codes: bool = False):
   """The contract in plain jnp (module docstring) -> (out_BxTxHxD in q's dtype, lse_BxHxT FP32 in log2 units).
 
   Rows are the (position, head) pairs of each (sequence, key/value head). On GPUs (where the kernels provide the
@@ -244,16 +275,19 @@ def attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_
 
   ``page_table_BxNb``: k/v are page pools (the paged form; forward only): on CPU each tile reads its sequences'
   pages, elsewhere the table's keys are gathered into a dense copy first.
+  ``kv_codes``: k/v are E4M3 codes (FP16 operands, module docstring); implied by a float8_e4m3fn or float16 k.
   """
   block_kv = block_kv or key_block()
   check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, page_table_BxNb, block_kv)
+  codes = is_codes(k_BxSxKxD, kv_codes)
   if page_table_BxNb is not None:
     return _reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, block_kv,
-                      tiled=jax.default_backend() == "cpu", table=page_table_BxNb.astype(jnp.int32))
+                      tiled=jax.default_backend() == "cpu", table=page_table_BxNb.astype(jnp.int32), codes=codes)
   if jax.default_backend() != "cpu":
-    return _reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, block_kv, tiled=False)
+    return _reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, block_kv, tiled=False,
+                      codes=codes)
   return _reference_cpu(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT.astype(jnp.int32),
-                        jnp.asarray(qk_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32), block_kv)
+                        jnp.asarray(qk_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32), block_kv, codes)
 
 
 def attention_dense(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale):

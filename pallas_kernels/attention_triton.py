@@ -13,9 +13,11 @@ H200). A tile visits key
 blocks up to its last row's position only, so decode reads the filled part of each slot's cache (length aware),
 and causal training skips the blocks above the diagonal; no S x S (or T x T) tensor exists anywhere.
 
-Keys come as BF16 or as float8_e4m3fn codes (the FP8 KV cache), upcast exactly to BF16 in registers; the FP8
-cache's scales are the two FP32 scalars ``qk_scale`` (into the scores) and ``v_scale`` (into the output). The
-training forward passes the same codes as BF16 values (``fp8jax.kvcache.kv_codes``), so both see identical operands.
+Keys come as BF16 values or as E4M3 codes: float8_e4m3fn (the FP8 KV cache), converted exactly to FP16 in
+registers (one conversion per pair), or the same codes already held in float16 (the training forward: the trainer's
+``fp8jax.kvcache.kv_codes`` cast by ``fp8jax.attention``), so both see identical operands. Codes take the contract's
+FP16 operands (Q clipped and rounded to FP16, P rounded to FP16); the FP8 cache's scales are the two FP32 scalars
+``qk_scale`` (into the scores) and ``v_scale`` (into the output).
 
 Backward (``attention_seq_bwd``, FlashAttention-2's recomputation, Dao 2023 sec. 3.2): the row statistic
 lse = m + log2(l) from the forward gives P = exp2(s - lse) per block again; delta = rowsum(dO * O) (an XLA
@@ -40,10 +42,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.attention import BLOCK_KV, check_operands, pad_keys
+from pallas_kernels.attention import BLOCK_KV, FP16_MAX, check_operands, pad_keys
 
 HEAD_DIMS = (64, 128)
-FP8_OPERANDS = ("bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,21 +67,14 @@ class TuningConfig:
   num_stages: int = 3
   decode_block_q: int = 64
   decode_num_warps: int = 4
-  decode_num_stages: int = 2  # FP8 K/V (the upcast in registers competes with a deeper ring: 3 stages measured slower)
+  decode_num_stages: int = 2  # FP8 K/V (the conversion in registers competes with a deeper ring: 3 stages slower)
   decode_num_stages_bf16: int = 3
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
   bwd_num_warps: int = 4
   bwd_num_stages: int = 2
-  # Operand dtype of the dots when K/V are float8_e4m3fn codes: "bfloat16" (the contract: codes upcast exactly to
-  # BF16, Q and P in BF16) or "float16" (an experiment: E4M3 -> FP16 is one hardware conversion per pair, where
-  # E4M3 -> BF16 goes through FP32; Q and P then round to FP16). Decode and training must use the same. (E4M3 math
-  # on the codes was measured slower in this lowering: docs/benchmarks.md.)
-  fp8_operands: str = "bfloat16"
 
   def __post_init__(self):
-    if self.fp8_operands not in FP8_OPERANDS:
-      raise ValueError(f"TuningConfig.fp8_operands must be one of {FP8_OPERANDS}, got {self.fp8_operands!r}")
     for name in ("bwd_block_q", "bwd_block_kv"):
       if getattr(self, name) not in (16, 32, 64, 128):
         raise ValueError(f"TuningConfig.{name} must be 16, 32, 64 or 128 (divide {BLOCK_KV}), got {self}")
@@ -99,8 +93,8 @@ def unsupported(q, k) -> str | None:
     return f"head_dim {d} (kernels take {HEAD_DIMS})"
   if jnp.dtype(q.dtype) != jnp.dtype(jnp.bfloat16):
     return f"q dtype {q.dtype} (kernels take bfloat16)"
-  if jnp.dtype(k.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn)):
-    return f"k/v dtype {k.dtype} (kernels take bfloat16 or float8_e4m3fn)"
+  if jnp.dtype(k.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float16)):
+    return f"k/v dtype {k.dtype} (kernels take bfloat16, or codes as float8_e4m3fn or float16)"
   return None
 
 
@@ -131,14 +125,19 @@ def _update(carry, q, kb, vb, start, key, pos, last, qk_scale, *, masked: bool):
   return (jnp.where(active, m_new, m), jnp.where(active, l_new, l), jnp.where(active[:, None], acc_new, acc))
 
 
-def _operands(q, k_dtype, fp8_operands: str):
-  """(q as the dots take it, K/V block dtype)."""
-  if k_dtype != jnp.float8_e4m3fn or fp8_operands == "bfloat16":
-    return q, q.dtype
-  return q.astype(jnp.float16), jnp.float16
+def _fp16(x):
+  """The contract's FP16 operand for E4M3 codes: clipped to FP16's range, rounded (codes and P: exact / in range)."""
+  return jnp.clip(x.astype(jnp.float32), -FP16_MAX, FP16_MAX).astype(jnp.float16)
 
 
-def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_ref=None, fp8_operands="bfloat16"):
+def _operands(q, kv_dtype):
+  """(q as the dots take it, K/V block dtype): FP16 operands for E4M3 codes (float8_e4m3fn or float16 K/V), else q's."""
+  if jnp.dtype(kv_dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float16)):
+    return _fp16(q), jnp.float16
+  return q, q.dtype
+
+
+def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_ref=None):
   """(block_q, D) query rows at positions ``pos`` over key/value head ``kvh`` of sequence ``b`` ->
   (out (block_q, D) in q's dtype, lse (block_q,) FP32 log2 units; +inf for a row that sees no key).
 
@@ -146,7 +145,7 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_
   ``pt_ref[b, j]`` (the same blocks in the same order: the same bits as the dense form)."""
   bq, d = q.shape
   out_dtype = q.dtype
-  q, kv_dtype = _operands(q, k_ref.dtype, fp8_operands)
+  q, kv_dtype = _operands(q, k_ref.dtype)
   last = jnp.max(pos)
   big = jnp.int32(2**30)
   first = jnp.min(jnp.where(pos >= 0, pos, big))
@@ -177,19 +176,17 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_
   return out, lse
 
 
-def _seq_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool,
-                    fp8_operands: str):
+def _seq_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool):
   pt_ref, (o_ref, lse_ref) = (rest[0], rest[1:]) if paged else (None, rest)
   b, h, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
   out, lse = _attend_tile(q_ref[b, rows, h, :], pos_ref[b, rows], k_ref, v_ref, b, lax.div(h, g), sc_ref[0],
-                          sc_ref[1], n_kb, pt_ref, fp8_operands)
+                          sc_ref[1], n_kb, pt_ref)
   o_ref[b, rows, h, :] = out
   lse_ref[b, h, rows] = lse
 
 
-def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool,
-                      fp8_operands: str):
+def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool):
   pt_ref, o_ref = (rest[0], rest[1]) if paged else (None, rest[0])
   b, kvh, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   # Rows ti * bq + r of the G heads of KV head kvh, read straight from the (B, H, D) queries: rows past G (the
@@ -199,7 +196,7 @@ def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb:
   heads = kvh * g + jnp.minimum(r, g - 1)  # padding rows load a real row (in bounds), then are zeroed
   q = jnp.where(real[:, None], q_ref[b, heads, :], jnp.zeros((), q_ref.dtype))
   pos = jnp.where(real, pos_ref[b], -1)
-  out, _ = _attend_tile(q, pos, k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb, pt_ref, fp8_operands)
+  out, _ = _attend_tile(q, pos, k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb, pt_ref)
   # Masked store of the real rows; the padding rows' indices point past the last head (distinct, never written:
   # masked off on the GPU, dropped by interpret mode's scatter).
   dest = jnp.where(real, heads, o_ref.shape[1] + r)
@@ -249,8 +246,7 @@ def attention_seq(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale,
   k, v, extra, n_kb = _keys(k_BxSxKxD, v_BxSxKxD, page_table_BxNb)
   tp = q.shape[1]
   out, lse = pl.pallas_call(
-      functools.partial(_seq_fwd_kernel, g=g, n_kb=n_kb, bq=config.block_q, paged=bool(extra),
-                        fp8_operands=config.fp8_operands),
+      functools.partial(_seq_fwd_kernel, g=g, n_kb=n_kb, bq=config.block_q, paged=bool(extra)),
       out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, tp), jnp.float32)),
       grid=(b, h, tp // config.block_q),
       compiler_params=_params(config.num_warps, config.num_stages),
@@ -272,8 +268,7 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
   bq = config.decode_block_q
   k, v, extra, n_kb = _keys(k_BxSxKxD, v_BxSxKxD, page_table_BxNb)
   return pl.pallas_call(
-      functools.partial(_heads_fwd_kernel, g=g, n_kb=n_kb, bq=bq, paged=bool(extra),
-                        fp8_operands=config.fp8_operands),
+      functools.partial(_heads_fwd_kernel, g=g, n_kb=n_kb, bq=bq, paged=bool(extra)),
       out_shape=jax.ShapeDtypeStruct(q_BxHxD.shape, q_BxHxD.dtype),
       grid=(b, n_kv, -(-g // bq)),
       compiler_params=_params(config.decode_num_warps, config.decode_num_stages if k.dtype == jnp.float8_e4m3fn
@@ -287,42 +282,48 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _probs_and_ds(q, kb, vb, do, lse, delta, key, pos, qk_scale, v_scale):
-  """P and dS (natural-log softmax gradient, before the score scale) of one (rows x keys) block, from the row lse."""
-  s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * qk_scale
+def _probs_and_ds(qs, ks, vb, do, lse, delta, key, pos, qk_scale, v_scale):
+  """P and dS (natural-log softmax gradient, before the score scale) of one (rows x keys) block, from the row lse.
+
+  ``qs``, ``ks``: the forward's score operands (FP16 for E4M3 codes, ``ks`` then read from the FP16 copy of K)."""
+  s = lax.dot_general(qs, ks, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * qk_scale
   vis = key[None, :] <= pos[:, None]
   p = jnp.where(vis, jnp.exp2(s - lse[:, None]), 0.0)
   dp = lax.dot_general(do, vb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * v_scale
   return p, p * (dp - delta[:, None])
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, pos_ref, sc_ref, dq_ref, *, g, n_kb, bq, bkv):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, pos_ref, sc_ref, ks_ref, dq_ref, *, g, n_kb, bq, bkv,
+               codes):
   b, h, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   kvh = lax.div(h, g)
   rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
   q, do, pos = q_ref[b, rows, h, :], do_ref[b, rows, h, :], pos_ref[b, rows]
   lse, delta = lse_ref[b, h, rows], delta_ref[b, h, rows]
   qk_scale, v_scale = sc_ref[0], sc_ref[1]
+  qs = _fp16(q) if codes else q  # the forward's score operand, converted once
   n = jnp.minimum(lax.div(jnp.max(pos) + bkv, bkv), n_kb * (BLOCK_KV // bkv))
 
   def body(j, dq):
     start = pl.multiple_of(j * bkv, bkv)
     kb = k_ref[b, pl.ds(start, bkv), kvh, :]
+    ks = ks_ref[b, pl.ds(start, bkv), kvh, :] if codes else kb  # codes: K's FP16 copy (loaded, not converted)
     vb = v_ref[b, pl.ds(start, bkv), kvh, :]
     key = start + lax.broadcasted_iota(jnp.int32, (bkv,), 0)
-    _, ds = _probs_and_ds(q, kb, vb, do, lse, delta, key, pos, qk_scale, v_scale)
+    _, ds = _probs_and_ds(qs, ks, vb, do, lse, delta, key, pos, qk_scale, v_scale)
     return dq + lax.dot_general(ds.astype(kb.dtype), kb, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
   dq = lax.fori_loop(0, n, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[b, rows, h, :] = (dq * sc_ref[2]).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, pos_ref, sc_ref, dk_ref, dv_ref, *, g, n_qt, bq,
-                bkv, causal_rows: bool):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, pos_ref, sc_ref, ks_ref, dk_ref, dv_ref, *, g, n_qt,
+                bq, bkv, causal_rows: bool, codes: bool):
   b, kvh, ki = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   start = pl.multiple_of(ki * bkv, bkv)
   keys = pl.ds(start, bkv)
   kb, vb = k_ref[b, keys, kvh, :], v_ref[b, keys, kvh, :]
+  ks = ks_ref[b, keys, kvh, :] if codes else kb
   key = start + lax.broadcasted_iota(jnp.int32, (bkv,), 0)
   qk_scale, v_scale = sc_ref[0], sc_ref[1]
   # Training rows are at positions 0..T-1 in order, so query tiles before this key block see none of it.
@@ -335,7 +336,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, pos_ref, sc_ref
       dk, dv = acc
       rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
       q, do, pos = q_ref[b, rows, h, :], do_ref[b, rows, h, :], pos_ref[b, rows]
-      p, ds = _probs_and_ds(q, kb, vb, do, lse_ref[b, h, rows], delta_ref[b, h, rows], key, pos, qk_scale, v_scale)
+      p, ds = _probs_and_ds(_fp16(q) if codes else q, ks, vb, do, lse_ref[b, h, rows], delta_ref[b, h, rows], key,
+                            pos, qk_scale, v_scale)
       dv = dv + lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
       dk = dk + lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
       return dk, dv
@@ -348,13 +350,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, pos_ref, sc_ref
   dv_ref[b, keys, kvh, :] = (dv * v_scale).astype(dv_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("causal_rows", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("causal_rows", "kv_codes", "config", "interpret"))
 def attention_seq_bwd(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, out_BxTxHxD, lse_BxHxT, do_BxTxHxD,
-                      *, causal_rows: bool, config: TuningConfig = TuningConfig(), interpret: bool = False):
+                      *, causal_rows: bool, kv_codes: bool = False, config: TuningConfig = TuningConfig(),
+                      interpret: bool = False):
   """(dq, dk, dv) of ``attention_seq``'s output for cotangent ``do`` (scales are constants: no gradient).
 
   ``causal_rows``: the rows are at positions 0..T-1 in order (training), so the dK/dV kernel skips query tiles
   before each key block. dq = ln-domain score scale (qk_scale / log2 e) x dS K; dk likewise; dv = v_scale P^T dO.
+  ``kv_codes``: k/v are E4M3 codes held in q's dtype, whose forward ran on FP16 operands (``attention_seq`` over
+  the codes as float16): the scores are recomputed on those operands, so P matches the forward's lse; the
+  gradient dots stay in q's dtype (FP16 would underflow small cotangents).
   """
   b, t, h, d = q_BxTxHxD.shape
   g = h // k_BxSxKxD.shape[2]
@@ -367,16 +373,19 @@ def attention_seq_bwd(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_sc
   tp, sp = q.shape[1], k.shape[1]
   ln_scale = jnp.asarray(qk_scale, jnp.float32) * jnp.float32(1 / 1.4426950408889634)
   sc = jnp.stack([jnp.asarray(qk_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32), ln_scale])
-  args = (q, k, v, do, lse, delta, pos, sc)
+  # The score operand K: K itself, or (codes) its FP16 copy as a separate input, so that no kernel converts a K
+  # block that it also uses in BF16 (converting the dQ kernel's K block in registers gave wrong dQ on the H200).
+  args = (q, k, v, do, lse, delta, pos, sc, k.astype(jnp.float16) if kv_codes else k)
   params = _params(cfg.bwd_num_warps, cfg.bwd_num_stages)
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, g=g, n_kb=sp // BLOCK_KV, bq=cfg.bwd_block_q, bkv=cfg.bwd_block_kv),
+      functools.partial(_dq_kernel, g=g, n_kb=sp // BLOCK_KV, bq=cfg.bwd_block_q, bkv=cfg.bwd_block_kv,
+                        codes=kv_codes),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b, h, tp // cfg.bwd_block_q),
       compiler_params=params, interpret=interpret, name="fp8jax_attention_dq",
   )(*args)
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, g=g, n_qt=tp // cfg.bwd_block_q, bq=cfg.bwd_block_q, bkv=cfg.bwd_block_kv,
-                        causal_rows=causal_rows),
+                        causal_rows=causal_rows, codes=kv_codes),
       out_shape=(jax.ShapeDtypeStruct(k.shape, q.dtype),) * 2, grid=(b, k.shape[2], sp // cfg.bwd_block_kv),
       compiler_params=params, interpret=interpret, name="fp8jax_attention_dkv",
   )(*args)

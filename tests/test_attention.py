@@ -207,8 +207,9 @@ def test_decode_kernel_interpret_matches_reference_and_training_rows(g, fp8):
   h = g * kv
   q, k, v, ks, vs = _qkv(g, b, t, h, kv, d, fp8=fp8)
   qs, vsc = _scales(d, ks, vs)
-  train, _ = kern.attention_seq(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
-                                jnp.broadcast_to(jnp.arange(t), (b, t)), qs, vsc, interpret=True)
+  held = jnp.float16 if fp8 else jnp.bfloat16  # the trainer's codes reach the kernel as FP16 (fp8jax.attention)
+  train, _ = kern.attention_seq(q, k.astype(held), v.astype(held), jnp.broadcast_to(jnp.arange(t), (b, t)), qs, vsc,
+                                interpret=True)
   ck, cv = _cache_with_stale_rows(k, v, 256, 3)
   ps = jnp.asarray([0, 128, t - 1], jnp.int32)
   out = kern.attention_heads(q[jnp.arange(b), ps], ck, cv, ps, qs, vsc, interpret=True)
@@ -218,31 +219,30 @@ def test_decode_kernel_interpret_matches_reference_and_training_rows(g, fp8):
   np.testing.assert_array_equal(np.asarray(out), np.asarray(train[jnp.arange(b), ps]))
 
 
-def test_fp16_operands_for_fp8_codes_interpret():
-  """TuningConfig(fp8_operands="float16") (the decode experiment of docs/benchmarks.md): with E4M3 codes the dots
-  take FP16 operands (Q and P round to FP16); decode rows equal training rows fed the same codes, bitwise; the
-  result stays within FP16-operand noise of the reference and differs from the default's bits; BF16 K/V ignore
-  the option (same bits as the default)."""
+def test_codes_take_fp16_operands_interpret():
+  """E4M3 codes take the contract's FP16 operands: the kernel over float8 codes == over the same codes held in
+  float16, bitwise; decode rows == training rows; the reference with ``kv_codes`` (float8, or BF16-held codes with
+  the flag: the trainer's form) is the same math, closer to the kernel than the BF16-operand reference; codes held
+  in BF16 without the flag are BF16 values (other bits)."""
   b, t, h, kv, d = 2, 150, 8, 2, 128
-  cfg = kern.TuningConfig(fp8_operands="float16")
   q, k, v, ks, vs = _qkv(11, b, t, h, kv, d, fp8=True)
   qs, vsc = _scales(d, ks, vs)
   pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-  train, _ = kern.attention_seq(q, k, v, pos, qs, vsc, config=cfg, interpret=True)
+  train, _ = kern.attention_seq(q, k, v, pos, qs, vsc, interpret=True)
+  train16, _ = kern.attention_seq(q, k.astype(jnp.float16), v.astype(jnp.float16), pos, qs, vsc, interpret=True)
+  np.testing.assert_array_equal(np.asarray(train), np.asarray(train16))
   ck, cv = _cache_with_stale_rows(k, v, 256, 5)
   ps = jnp.asarray([3, t - 1], jnp.int32)
-  dec = kern.attention_heads(q[jnp.arange(b), ps], ck, cv, ps, qs, vsc, config=cfg, interpret=True)
+  dec = kern.attention_heads(q[jnp.arange(b), ps], ck, cv, ps, qs, vsc, interpret=True)
   np.testing.assert_array_equal(np.asarray(dec), np.asarray(train[jnp.arange(b), ps]))
+  kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
   want, _ = ref.attention_reference(q, k, v, pos, qs, vsc)
-  bf16_ops, _ = kern.attention_seq(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), pos, qs, vsc, interpret=True)
-  assert not np.array_equal(np.asarray(train), np.asarray(bf16_ops))  # the option does change the operands
-  err = _rel(train, want)
-  assert _rel(bf16_ops, want) < err <= 5e-3
-  qb, kb, vb, _, _ = _qkv(12, b, t, h, kv, d)
-  np.testing.assert_array_equal(np.asarray(kern.attention_seq(qb, kb, vb, pos, qs, vsc, config=cfg, interpret=True)[0]),
-                                np.asarray(kern.attention_seq(qb, kb, vb, pos, qs, vsc, interpret=True)[0]))
-  with pytest.raises(ValueError, match="fp8_operands"):
-    kern.TuningConfig(fp8_operands="float32")
+  np.testing.assert_array_equal(np.asarray(ref.attention_reference(q, kb, vb, pos, qs, vsc, kv_codes=True)[0]),
+                                np.asarray(want))
+  want_bf16_operands, _ = ref.attention_reference(q, kb, vb, pos, qs, vsc)
+  assert _rel(train, want) <= 1e-3 and _rel(train, want) < _rel(train, want_bf16_operands)
+  bf16_ops, _ = kern.attention_seq(q, kb, vb, pos, qs, vsc, interpret=True)
+  assert not np.array_equal(np.asarray(train), np.asarray(bf16_ops))
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
@@ -280,6 +280,24 @@ def test_backward_kernels_interpret_match_reference_gradients(b, t, h, kv, d, sc
     assert _rel(g_, w) <= 2e-2, (name, _rel(g_, w))
 
 
+def test_backward_kernels_interpret_match_reference_gradients_for_codes():
+  """The FP8 KV training form: BF16-held codes whose forward ran on FP16 operands; the backward recomputes the
+  scores on those operands (``kv_codes``) and matches the reference's gradient with ``kv_codes``."""
+  b, t, h, kv, d = 2, 150, 4, 2, 128
+  q, k, v, ks, vs = _qkv(31, b, t, h, kv, d, fp8=True)
+  k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  do = jax.random.normal(jax.random.key(98), q.shape, jnp.float32).astype(jnp.bfloat16)
+  qs, vsc = _scales(d, ks, vs)
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  _, vjp = jax.vjp(lambda q, k, v: ref.attention_reference(q, k, v, pos, qs, vsc, kv_codes=True)[0], q, k, v)
+  want = vjp(do)
+  out, lse = kern.attention_seq(q, k.astype(jnp.float16), v.astype(jnp.float16), pos, qs, vsc, interpret=True)
+  got = kern.attention_seq_bwd(q, k, v, pos, qs, vsc, out, lse, do, causal_rows=True, kv_codes=True, interpret=True)
+  for name, g_, w in zip(("dq", "dk", "dv"), got, want):
+    assert g_.shape == w.shape and g_.dtype == w.dtype == jnp.bfloat16, name
+    assert _rel(g_, w) <= 2e-2, (name, _rel(g_, w))
+
+
 def test_attend_is_differentiable_on_the_reference():
   q, k, v, _, _ = _qkv(3, 2, 40, 4, 2, 64)
   f = lambda q, k, v: jnp.sum(attn.attend(q, k, v, backend="xla").astype(jnp.float32) ** 2)  # noqa: E731
@@ -303,7 +321,7 @@ def _lower_cuda(fn, *args):
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float16], ids=["bf16", "fp8", "fp16-codes"])
 def test_kernels_lower_for_cuda(kv_dtype):
   S = jax.ShapeDtypeStruct
   f32, i32, bf = jnp.float32, jnp.int32, jnp.bfloat16
@@ -318,8 +336,8 @@ def test_kernels_lower_for_cuda(kv_dtype):
                                  S((256, 12), i32))
   assert "triton" in _lower_cuda(kern.attention_seq, S((64, 512, h, d), bf), pool, pool, S((64, 512), i32), *sc,
                                  S((64, 4), i32))
-  if kv_dtype == jnp.bfloat16:
-    bwd = functools.partial(kern.attention_seq_bwd, causal_rows=True)
+  if kv_dtype != jnp.float8_e4m3fn:  # the backward reads BF16 values or BF16-held codes (kv_codes)
+    bwd = functools.partial(kern.attention_seq_bwd, causal_rows=True, kv_codes=kv_dtype == jnp.float16)
     assert "triton" in _lower_cuda(bwd, S((b, t, h, d), bf), S((b, t, kv, d), bf), S((b, t, kv, d), bf),
                                    S((b, t), i32), *sc, S((b, t, h, d), bf), S((b, h, t), f32), S((b, t, h, d), bf))
 
