@@ -6,7 +6,8 @@ one key/value head in increasing order with the online-softmax update of the con
 * ``attention_seq``: rows are consecutive positions of one query head (training forward, prefill); grid
   (B, H, T / block_q); the forward also writes the row's log-sum-exp for the backward pass;
 * ``attention_heads``: rows are the G query heads of one key/value head at one position (decode: one new token per
-  slot over the slot's cache), zero-padded to block_q rows; grid (B, K, ceil(G / block_q)).
+  slot over the slot's cache), zero-padded to block_q rows in registers (read from and stored to the (B, H, D)
+  layout directly, the padding rows masked); grid (B, K, ceil(G / block_q)).
 Both compile the same body, and every tile gives each warpgroup 64 whole rows (``TuningConfig``), so a decode row and
 the training row at the same position run the same instructions on the same numbers: bitwise equal (tested on the
 H200). A tile visits key
