@@ -90,7 +90,7 @@ def _flash_train_bwd(cfg, codes, res, do):
 _flash_train.defvjp(_flash_train_fwd, _flash_train_bwd)
 
 
-def _per_device(fn, mesh, q, k, n_batched: int, n_replicated: int = 2, paged: bool = False):
+def _per_device(fn, mesh, q, k, n_batched: int, n_replicated: int = 2, paged: bool = False, shared: bool = False):
   """``fn`` per device under ``shard_map`` (``sharding.per_device``), else ``fn`` as is.
 
   Pallas kernels are opaque to XLA's SPMD partitioner: inside a sharded jit their operands would be gathered and
@@ -100,7 +100,8 @@ def _per_device(fn, mesh, q, k, n_batched: int, n_replicated: int = 2, paged: bo
   contiguous head blocks keep each query head with its KV head): the same computation, bitwise, the kernels being
   batch invariant. The first ``n_batched`` operands are (B, T, H, D) activations / caches (positions (B, T)), the
   next ``n_replicated`` replicated scalars. ``paged``: k/v are page pools shared by all sequences (split by heads
-  only; each device holds every page) and a (B, Nb) page table follows the scalars, split like the positions.
+  only; each device holds every page) and a (B, Nb) page table follows the scalars, split like the positions;
+  ``shared``: then a (B,) shared-prefix block count, split alike (each device groups its own sequences).
   """
   axes = sharding.split_batch_axes(mesh, q.shape[0])
   tp = sharding.tensor_axis(mesh)
@@ -112,11 +113,12 @@ def _per_device(fn, mesh, q, k, n_batched: int, n_replicated: int = 2, paged: bo
   heads = P(axes, None, tp, None)
   kv = P(None, None, tp, None) if paged else heads
   batched = (heads, kv, kv, P(axes, None))[:n_batched]
-  return sharding.per_device(fn, mesh, batched + (P(),) * n_replicated + ((P(axes, None),) if paged else ()), heads)
+  tail = ((P(axes, None),) if paged else ()) + ((P(axes),) if shared else ())
+  return sharding.per_device(fn, mesh, batched + (P(),) * n_replicated + tail, heads)
 
 
 def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None, v_scale=None,
-           sm_scale: float | None = None, backend: str = "auto", mesh=None, page_table=None):
+           sm_scale: float | None = None, backend: str = "auto", mesh=None, page_table=None, shared_blocks=None):
   """Causal GQA attention -> out_BxTxHxD in q's dtype (contract: ``pallas_kernels.attention``).
 
   positions_BxT=None: the training form, queries and keys are the same T positions 0..T-1 (differentiable in q, k,
@@ -128,6 +130,10 @@ def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None,
   kv_lora_rank + qk_rope_head_dim dims but scales by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) (x YaRN's mscale^2).
   ``page_table`` (B, Nb) int32: the paged cache form (``fp8jax.kvcache``): k/v are page pools (N, key block, K, D)
   and key block n of row b is page page_table[b, n]; positions_BxT is required (forward only).
+  ``shared_blocks`` (B,) int32, paged decode only: row b's first shared_blocks[b] pages are the same pages for
+  every row with the same first page and count, and its query sees them in full (the samples of one prompt): the
+  kernels then read those pages once per group (``attention_triton.attention_heads``), with the same bits. The
+  reference backend, prefill and G > the decode tile ignore it (nothing to gain; same numbers).
   """
   b, t, h, d = q_BxTxHxD.shape
   if page_table is not None and positions_BxT is None:
@@ -149,11 +155,13 @@ def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None,
     return _per_device(fn, mesh, q_BxTxHxD, k_BxSxKxD, 3)(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, qk_scale, vs)
   if codes and k_BxSxKxD.dtype == q_BxTxHxD.dtype:  # codes held in BF16 over a cache: FP16 operands, as in the tile
     k_BxSxKxD, v_BxSxKxD = k_BxSxKxD.astype(jnp.float16), v_BxSxKxD.astype(jnp.float16)
+  paged = page_table is not None
+  shared = paged and t == 1 and shared_blocks is not None and h // k_BxSxKxD.shape[2] <= cfg.decode_block_q
   if t == 1:
     fn = lambda q, k, v, p, qs, s, *pt: kern.attention_heads(q[:, 0], k, v, p[:, 0], qs, s, *pt,  # noqa: E731
                                                             config=cfg)[:, None]
   else:
     fn = lambda q, k, v, p, qs, s, *pt: kern.attention_seq(q, k, v, p, qs, s, *pt, config=cfg)[0]  # noqa: E731
-  paged = page_table is not None
-  return _per_device(fn, mesh, q_BxTxHxD, k_BxSxKxD, 4, paged=paged)(
-      q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, qk_scale, vs, *((page_table.astype(jnp.int32),) if paged else ()))
+  extra = ((page_table.astype(jnp.int32),) if paged else ()) + ((shared_blocks.astype(jnp.int32),) if shared else ())
+  return _per_device(fn, mesh, q_BxTxHxD, k_BxSxKxD, 4, paged=paged, shared=shared)(
+      q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, qk_scale, vs, *extra)

@@ -10,6 +10,8 @@ Paged (the sampler's cache): per layer a pool of pages (n_pages, P, n_kv_heads, 
 block, and ``page_table`` (slots, Nb): key block n of slot s is page page_table[s, n]. Pages of a prompt are shared by
 its samples (written once at prefill); attention reads through the table (``fp8jax.attention.attend(page_table=)``),
 block by block in the same order as a dense row, so paging changes no bit. A dense cache has ``page_table`` None.
+``shared_blocks`` (set by the sampler per decode step) says how many of a slot's first pages are its prompt's, so
+that the decode kernels read those pages once for all the prompt's samples (same bits).
 
 MLA (``fp8jax.model.mla``): one latent per token and layer, (slots, length, 1, kv_lora_rank + qk_rope_head_dim) in
 ``k``, and no ``v`` (an empty list): the absorbed attention reads the latent as keys and its first kv_lora_rank dims
@@ -46,6 +48,9 @@ class KVCache:
   k_scale_L: jax.Array  # (L,) FP32; ones for a BF16 cache
   v_scale_L: jax.Array
   page_table: jax.Array | None = None  # (B, Nb) int32 for a paged cache
+  # (B,) int32, paged decode: slot b's first shared_blocks[b] pages are its prompt's, shared with the prompt's other
+  # samples (same first page, same count); attention then reads them once per group (``fp8jax.attention.attend``)
+  shared_blocks: jax.Array | None = None
 
   @property
   def is_fp8(self) -> bool:

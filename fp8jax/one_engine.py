@@ -63,11 +63,12 @@ def recipes(quantize_lm_head: bool = False) -> dict[str, quant.Recipe]:
 
 
 def sampler_vs_trainer(cfg: ModelConfig, recipe: quant.Recipe, prompts, *, slots: int, samples: int, max_new: int,
-                       seed: int = 0) -> dict:
-  """Generate ``samples`` completions per prompt, recompute their log-probs as the trainer does, compare."""
+                       seed: int = 0, bucket: int = 64) -> dict:
+  """Generate ``samples`` completions per prompt, recompute their log-probs as the trainer does, compare.
+  ``bucket``: the prompt length bucket (prompts up to that many tokens)."""
   master = init_params(cfg, seed=seed, std=0.05)
   lcfg = ops.LinearConfig.from_recipe(recipe)
-  sc = sampler.SamplerConfig(slots=slots, max_len=64 + max_new, prompt_buckets=(64,), kv_cache=recipe.kv_cache)
+  sc = sampler.SamplerConfig(slots=slots, max_len=bucket + max_new, prompt_buckets=(bucket,), kv_cache=recipe.kv_cache)
   s = sampler.Sampler(cfg, sc, lcfg)
   sp_params = sampler.prepare_params(master, recipe)
   kv = s.calibrate_kv_scales(sp_params, prompts, 1.25) if recipe.kv_cache == "fp8" else None

@@ -7,12 +7,14 @@ How a batch of requests (prompts x n samples) is generated:
      once; the n samples of a prompt share them (prompt sharing: one prefill per prompt and its pages held once, never
      n times). Only the page holding the last prompt token, where the samples start writing, is copied into each
      sample's own page;
-  3. continuous batching inside the jitted loop: ``slots`` rows decode one token per step; at the start of every
+  3. decode attention reads the pages of a prompt once per step for all its samples in the batch (the kernels'
+     shared-prefix pass, ``fp8jax.attention.attend(shared_blocks=)``; the same bits as reading them per slot);
+  4. continuous batching inside the jitted loop: ``slots`` rows decode one token per step; at the start of every
      step, free slots take the next pending requests (at most ``max_refills_per_step``): their page tables point at
      the prompt's pages, then at the slot's own pages, and they re-read the last prompt token to produce the first
      new token. A finished slot is thus refilled on the next step; the host syncs every ``decode_chunk`` steps only
      to see whether all requests are done;
-  4. each decode step computes the logits and their logsumexp with the trainer's chunked head
+  5. each decode step computes the logits and their logsumexp with the trainer's chunked head
      (``fp8jax.model.head``: the same chunked GEMMs and row statistics) and reports z[token] - logsumexp for the
      sampled token. The reported log-prob is that of the temperature-scaled distribution, without top-p/top-k
      renormalization, so sampler-vs-trainer mismatch measures numerics only.
@@ -88,6 +90,9 @@ class SamplerConfig:
   decode_chunk: int = 16  # decode steps per jitted call (the host checks for completion between calls)
   max_refills_per_step: int = 16  # free slots that take a pending request per decode step (each copies one page)
   memory_fraction: float = 0.9  # the KV caches may use at most this fraction of free device memory
+  # decode attention reads a prompt's shared pages once for all its samples in the step (the kernels' shared-prefix
+  # pass; same bits either way, off only to measure it)
+  shared_prefix_attention: bool = True
 
   def __post_init__(self):
     if self.kv_cache not in quant.KV_CACHE_KINDS:  # the trainer sets it from fp8.kv_cache, validated by Recipe
@@ -330,8 +335,13 @@ class Sampler:
       i, st = carry
       st = self._take(st, rq, lay, cap)
       active = st.slot_req >= 0
+      cache = st.cache
+      if self.scfg.shared_prefix_attention:  # the blocks a slot reads from its prompt's pages (as _take set them)
+        plen = rq.prompt_len[rq.prompt_of_req[jnp.clip(st.slot_req, 0, n_req - 1)]]
+        cache = dataclasses.replace(cache, shared_blocks=jnp.where(active, (plen - 1) // lay.page, 0))
       hidden, cache, _ = llama.forward(params, st.slot_tok[:, None], c, self.lcfg,
-                                       positions_BxT=st.slot_pos[:, None], cache=st.cache)
+                                       positions_BxT=st.slot_pos[:, None], cache=cache)
+      cache = dataclasses.replace(cache, shared_blocks=None)
       lp_temp = sp.temperature if not sp.greedy else 1.0
       lg, lse = head.logits_and_lse(head.head_weight(params, c.tie_embeddings), hidden[:, 0], self.lcfg, lp_temp)
       keys = jax.vmap(lambda r, g: jax.random.fold_in(jax.random.fold_in(base_key, r), g))(

@@ -138,12 +138,43 @@ def _operands(q, kv_dtype):
   return q, q.dtype
 
 
-def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_ref=None):
+def _load_block(k_ref, v_ref, b, pages, j, kvh, kv_dtype):
+  """Key block j of key/value head ``kvh``: (first key index, K block, V block) as the dots take them. Dense refs
+  read sequence ``b``; with ``pages`` (the sequence's page-table row, loaded before the loop: no load the K/V
+  addresses wait on) the refs are page pools and the block is page ``pages[j]``."""
+  start = pl.multiple_of(j * BLOCK_KV, BLOCK_KV)
+  if pages is None:
+    keys = pl.ds(start, BLOCK_KV)
+    return start, k_ref[b, keys, kvh, :].astype(kv_dtype), v_ref[b, keys, kvh, :].astype(kv_dtype)
+  page = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, pages.shape, 0) == j, pages, 0))
+  return start, k_ref[page, :, kvh, :].astype(kv_dtype), v_ref[page, :, kvh, :].astype(kv_dtype)
+
+
+def _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, lo, hi, pos=None, last=None):
+  """Key blocks lo .. hi - 1 in order through ``_update``: unmasked (every key visible to every row), or masked by
+  the rows' positions ``pos`` (the tile's last row at ``last``)."""
+  def block(j, carry):
+    start, kb, vb = _load_block(k_ref, v_ref, b, pages, j, kvh, kv_dtype)
+    key = start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0)
+    return _update(carry, q, kb, vb, start, key, pos, last, qk_scale, masked=pos is not None)
+
+  return lax.fori_loop(lo, hi, block, carry)
+
+
+def _empty_state(bq, d):
+  """The online softmax's state before any key: (m, l, acc) = (-inf, 0, 0)."""
+  return jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32)
+
+
+def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_ref=None, resume=None):
   """(block_q, D) query rows at positions ``pos`` over key/value head ``kvh`` of sequence ``b`` ->
   (out (block_q, D) in q's dtype, lse (block_q,) FP32 log2 units; +inf for a row that sees no key).
 
   ``pt_ref``: the paged form, k/v refs are page pools (N, BLOCK_KV, K, D) and key block j of sequence b is page
-  ``pt_ref[b, j]`` (the same blocks in the same order: the same bits as the dense form)."""
+  ``pt_ref[b, j]`` (the same blocks in the same order: the same bits as the dense form).
+  ``resume``: (j0, (m, l, acc)): the rows' state after their key blocks 0 .. j0 - 1, which a shared-prefix tile
+  computed (``attention_heads(shared_blocks_B=)``); the tile goes on from block j0 (every row sees blocks < j0 in
+  full). The state crosses HBM in FP32, exactly, so the rows end with the bits of one pass from block 0."""
   bq, d = q.shape
   out_dtype = q.dtype
   q, kv_dtype = _operands(q, k_ref.dtype)
@@ -155,21 +186,11 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_
   # there that nothing reads (out is sliced off, the backward masks P by position).
   n_full = jnp.minimum(lax.div(jnp.minimum(first, last) + 1, BLOCK_KV), n_blocks)
   pages = None if pt_ref is None else pt_ref[b, :]  # this sequence's page table row (padded to a power of two)
-
-  def block(j, carry, masked):
-    start = pl.multiple_of(j * BLOCK_KV, BLOCK_KV)
-    if pt_ref is None:
-      keys = pl.ds(start, BLOCK_KV)
-      kb, vb = k_ref[b, keys, kvh, :].astype(kv_dtype), v_ref[b, keys, kvh, :].astype(kv_dtype)
-    else:  # the page index from the row loaded before the loop: no load the K/V addresses wait on
-      page = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, pages.shape, 0) == j, pages, 0))
-      kb, vb = k_ref[page, :, kvh, :].astype(kv_dtype), v_ref[page, :, kvh, :].astype(kv_dtype)
-    key = start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0)
-    return _update(carry, q, kb, vb, start, key, pos, last, qk_scale, masked=masked)
-
-  carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32))
-  carry = lax.fori_loop(0, n_full, functools.partial(block, masked=False), carry)
-  m, l, acc = lax.fori_loop(n_full, n_blocks, functools.partial(block, masked=True), carry)
+  j0, carry = (0, _empty_state(bq, d)) if resume is None else resume
+  if resume is not None:
+    n_full = jnp.maximum(n_full, j0)
+  carry = _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, j0, n_full)
+  m, l, acc = _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, n_full, n_blocks, pos, last)
   seen = l > 0
   inv = jnp.where(seen, v_scale / jnp.where(seen, l, 1.0), 0.0)
   out = (acc * inv[:, None]).astype(out_dtype)
@@ -187,8 +208,10 @@ def _seq_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: i
   lse_ref[b, h, rows] = lse
 
 
-def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool):
-  pt_ref, o_ref = (rest[0], rest[1]) if paged else (None, rest[0])
+def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool,
+                      shared: bool):
+  pt_ref, rest = (rest[0], rest[1:]) if paged else (None, rest)
+  (nb_ref, m_ref, l_ref, acc_ref, o_ref) = rest if shared else (None,) * 4 + rest
   b, kvh, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   # Rows ti * bq + r of the G heads of KV head kvh, read straight from the (B, H, D) queries: rows past G (the
   # padding up to a whole 64-row warpgroup tile) are built in registers as zeros at position -1, never in HBM.
@@ -197,12 +220,63 @@ def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb:
   heads = kvh * g + jnp.minimum(r, g - 1)  # padding rows load a real row (in bounds), then are zeroed
   q = jnp.where(real[:, None], q_ref[b, heads, :], jnp.zeros((), q_ref.dtype))
   pos = jnp.where(real, pos_ref[b], -1)
-  out, _ = _attend_tile(q, pos, k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb, pt_ref)
+  resume = None
+  if shared:  # the state after the shared prefix blocks, from the prefix pass (none: start from block 0)
+    j0 = nb_ref[b]
+    row = b * q_ref.shape[1] + heads
+    state = (m_ref[row], l_ref[row], acc_ref[row, :])
+    resume = (j0, tuple(jnp.where(j0 > 0, x, e) for x, e in zip(state, _empty_state(bq, q.shape[1]))))
+  out, _ = _attend_tile(q, pos, k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb, pt_ref, resume)
   # Masked store of the real rows; the padding rows' indices point past the last head (distinct, never written:
   # masked off on the GPU, dropped by interpret mode's scatter).
   dest = jnp.where(real, heads, o_ref.shape[1] + r)
   cols = lax.broadcasted_iota(jnp.int32, (1, out.shape[1]), 1)
   pltriton.store(o_ref.at[b, dest[:, None], cols], out, mask=jnp.broadcast_to(real[:, None], out.shape))
+
+
+def _prefix_kernel(q_ref, k_ref, v_ref, tiles_ref, nb_ref, sc_ref, pt_ref, m_ref, l_ref, acc_ref, *, g: int,
+                   bq: int, per_tile: int):
+  """One shared-prefix tile: the G heads of KV head ``kvh`` for up to ``per_tile`` sequences (``tiles_ref[t]``)
+  whose first ``nb`` key blocks are the same pages, over those blocks (unmasked: every row sees them in full) ->
+  each row's online-softmax state, FP32, at row b * H + h of m / l / acc."""
+  t, kvh = pl.program_id(0), pl.program_id(1)
+  n_seq, n_heads = q_ref.shape[0], q_ref.shape[1]
+  r = lax.broadcasted_iota(jnp.int32, (bq,), 0)
+  seq = tiles_ref[t, jnp.minimum(r // g, per_tile - 1)]
+  real = (r < per_tile * g) & (seq >= 0)
+  lead = tiles_ref[t, 0]
+
+  @pl.when(lead >= 0)
+  def _():
+    seq_c = jnp.clip(seq, 0, n_seq - 1)
+    heads = kvh * g + r % g
+    q, kv_dtype = _operands(jnp.where(real[:, None], q_ref[seq_c, heads, :], jnp.zeros((), q_ref.dtype)), k_ref.dtype)
+    first = jnp.minimum(lead, n_seq - 1)
+    m, l, acc = _blocks(_empty_state(bq, q.shape[1]), q, k_ref, v_ref, first, pt_ref[first, :], kvh, sc_ref[0],
+                        kv_dtype, 0, nb_ref[first])
+    dest = jnp.where(real, seq_c * n_heads + heads, n_seq * n_heads + r)  # padding: out of range (see above)
+    cols = lax.broadcasted_iota(jnp.int32, (1, acc.shape[1]), 1)
+    pltriton.store(m_ref.at[dest], m, mask=real)
+    pltriton.store(l_ref.at[dest], l, mask=real)
+    pltriton.store(acc_ref.at[dest[:, None], cols], acc, mask=jnp.broadcast_to(real[:, None], acc.shape))
+
+
+def shared_prefix_tiles(page_table_BxNb, shared_blocks_B, per_tile: int):
+  """(B, per_tile) int32 tiles of sequences that share their first key blocks: sequence b's first
+  ``shared_blocks_B[b]`` pages are the same pages for every sequence with the same first page and the same count
+  (the caller's promise: the sampler's prompt pages). Sequences are grouped by (first page, count) and each group cut
+  into tiles of ``per_tile``; -1 pads a tile, and tiles past the last are all -1. Sequences with no shared block
+  take tiles of their own (the prefix pass skips them: nothing to share)."""
+  b, nb = page_table_BxNb.shape
+  idx = jnp.arange(b, dtype=jnp.int32)
+  n = shared_blocks_B.astype(jnp.int32)
+  key = jnp.where(n > 0, page_table_BxNb[:, 0].astype(jnp.int32) * (nb + 1) + n, -1 - idx)
+  order = jnp.argsort(key, stable=True).astype(jnp.int32)
+  ks = key[order]
+  new_group = jnp.concatenate([jnp.ones((1,), bool), ks[1:] != ks[:-1]])
+  within = idx - lax.cummax(jnp.where(new_group, idx, 0))
+  tile = jnp.cumsum(new_group | (within % per_tile == 0)) - 1
+  return jnp.full((b, per_tile), -1, jnp.int32).at[tile, within % per_tile].set(order)
 
 
 def _scalars(qk_scale, v_scale):
@@ -257,25 +331,53 @@ def attention_seq(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale,
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, page_table_BxNb=None, *,
-                    config: TuningConfig = TuningConfig(), interpret: bool = False):
+def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, page_table_BxNb=None,
+                    shared_blocks_B=None, *, config: TuningConfig = TuningConfig(), interpret: bool = False):
   """One query per sequence (decode): rows = the G heads of each key/value head -> out_BxHxD.
 
-  ``page_table_BxNb``: k/v are page pools (N, BLOCK_KV, K, D) (the paged form of ``pallas_kernels.attention``)."""
+  ``page_table_BxNb``: k/v are page pools (N, BLOCK_KV, K, D) (the paged form of ``pallas_kernels.attention``).
+  ``shared_blocks_B`` (paged form only): sequence b's first shared_blocks_B[b] key blocks are pages it shares with
+  every sequence of the same first page and count (the G samples of a prompt; each sees those blocks in full). A
+  prefix pass then runs each group's shared blocks once, its sequences' rows together in one tile (up to
+  decode_block_q / G sequences per tile: one read of the prefix pages, no padding rows), and the decode tiles go on
+  from the state it leaves. Same blocks, same order, same update per row: the same bits as without it."""
   b, h, d = q_BxHxD.shape
   check_operands(q_BxHxD[:, None], k_BxSxKxD, v_BxSxKxD, q_pos_B[:, None], page_table_BxNb, BLOCK_KV)
   n_kv = k_BxSxKxD.shape[2]
   g = h // n_kv
   bq = config.decode_block_q
   k, v, extra, n_kb = _keys(k_BxSxKxD, v_BxSxKxD, page_table_BxNb)
+  scalars = _scalars(qk_scale, v_scale)
+  params = _params(config.decode_num_warps, config.decode_num_stages if k.dtype == jnp.float8_e4m3fn
+                   else config.decode_num_stages_bf16)
+  shared = shared_blocks_B is not None
+  if shared:
+    if page_table_BxNb is None:
+      raise ValueError("attention_heads: shared_blocks_B needs the paged form (page_table_BxNb)")
+    if shared_blocks_B.shape != (b,):
+      raise ValueError(f"attention_heads: shared_blocks_B must be ({b},) for q {q_BxHxD.shape}, got "
+                       f"{shared_blocks_B.shape}")
+    if g > bq:
+      raise ValueError(f"attention_heads: shared_blocks_B needs G = {g} query heads per key/value head <= "
+                       f"decode_block_q = {bq} (one tile holds whole sequences)")
+    per_tile = bq // g
+    nb = shared_blocks_B.astype(jnp.int32)
+    tiles = shared_prefix_tiles(page_table_BxNb, nb, per_tile)
+    f32 = jnp.float32
+    state = pl.pallas_call(
+        functools.partial(_prefix_kernel, g=g, bq=bq, per_tile=per_tile),
+        out_shape=(jax.ShapeDtypeStruct((b * h,), f32), jax.ShapeDtypeStruct((b * h,), f32),
+                   jax.ShapeDtypeStruct((b * h, d), f32)),
+        grid=(b, n_kv), compiler_params=params, interpret=interpret, name="fp8jax_attention_decode_prefix",
+    )(q_BxHxD, k, v, tiles, nb, scalars, *extra)
+    extra = (*extra, nb, *state)
   return pl.pallas_call(
-      functools.partial(_heads_fwd_kernel, g=g, n_kb=n_kb, bq=bq, paged=bool(extra)),
+      functools.partial(_heads_fwd_kernel, g=g, n_kb=n_kb, bq=bq, paged=page_table_BxNb is not None, shared=shared),
       out_shape=jax.ShapeDtypeStruct(q_BxHxD.shape, q_BxHxD.dtype),
       grid=(b, n_kv, -(-g // bq)),
-      compiler_params=_params(config.decode_num_warps, config.decode_num_stages if k.dtype == jnp.float8_e4m3fn
-                              else config.decode_num_stages_bf16),
+      compiler_params=params,
       interpret=interpret, name="fp8jax_attention_decode",
-  )(q_BxHxD, k, v, q_pos_B.astype(jnp.int32), _scalars(qk_scale, v_scale), *extra)
+  )(q_BxHxD, k, v, q_pos_B.astype(jnp.int32), scalars, *extra)
 
 
 # ------------------------------------------------------------------------------------------------------------------

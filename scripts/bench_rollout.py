@@ -7,7 +7,8 @@ tunix's native JAX sampler as the peer, on Llama-3.1-8B shapes with random weigh
 
 Workloads (each config runs each one twice: the first call compiles, the second is timed):
   uniform    --slots prompts of --prompt_len random tokens, 1 sample each, no stop token: every request runs to
-             exactly --max_new tokens (the issue's 256 x (512 -> 1024)).
+             exactly --max_new tokens (the issue's 256 x (512 -> 1024)). --samples N: slots / N prompts, N samples
+             each (the samples of a prompt share its pages, and decode attention reads them once per step).
   long_tail  the same prompts, 2 samples each (--long_tail_samples; 2 x slots requests, one prefill per prompt), with a stop set of
              ~vocab * 4 / max_new random token ids: with near-uniform random-weight logits a completion stops after
              a roughly geometric number of tokens (mean ~max_new / 4) or at --max_new. The sampler has no
@@ -89,8 +90,14 @@ CONFIGS = {  # name -> (recipe, kv cache)
     # XLA twin reads the whole cache and is no fair peer
     "bf16_cublas": (quant.Recipe(mode="bf16", gemm_backend="xla"), "bf16"),
     "fp8kv_xla_norm": (quant.Recipe(kv_cache="fp8"), "fp8"),
+    # the decode attention's shared-prefix pass off (each slot reads its prompt's pages itself): measured beside
+    # "fp8kv" / "bf16" on a workload with --samples > 1
+    "fp8kv_noshare": (quant.Recipe(kv_cache="fp8"), "fp8"),
+    "bf16_noshare": (quant.Recipe(mode="bf16"), "bf16"),
 }
 MODEL_OVERRIDES = {"bf16_cublas": {"norm_backend": "xla"}, "fp8kv_xla_norm": {"norm_backend": "xla"}}
+SAMPLER_OVERRIDES = {"fp8kv_noshare": {"shared_prefix_attention": False},
+                     "bf16_noshare": {"shared_prefix_attention": False}}
 PRESETS = {
     "default": dict(layers=8, dim=4096, ffn_dim=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256, slots=256,
                     prompt_len=512, max_new=512, decode_chunk=16),
@@ -116,6 +123,9 @@ def parse_args(argv=None):
                  help="a recipe (configs/*.py) whose model group and fp8.keep_patterns replace Llama-3.1-8B's")
   p.add_argument("--configs", default="bf16,fp8,fp8kv", help="comma list of " + ",".join(CONFIGS))
   p.add_argument("--workloads", default="uniform,long_tail", help="comma list of uniform,long_tail")
+  p.add_argument("--samples", type=int, default=1,
+                 help="samples per prompt of the uniform workload (slots / this distinct prompts): the GRPO shape, "
+                      "whose samples share their prompt's pages")
   p.add_argument("--long_tail_samples", type=int, default=2,
                  help="samples per prompt of the long_tail workload (requests = slots x this): more than 2 keeps a "
                       "queue of waiting requests, which is what slot refills are for")
@@ -140,6 +150,9 @@ def parse_args(argv=None):
   for k, v in preset.items():
     if getattr(args, k) is None:
       setattr(args, k, v)
+  if args.samples < 1 or (args.samples > 1 and not args.no_tunix):
+    p.error(f"--samples={args.samples}: must be >= 1, and > 1 needs --no_tunix (the tunix peer runs 1 sample per "
+            "prompt)")
   args.preset = "full" if args.full else "tiny" if args.tiny else "default"
   if args.budget_s is None:
     args.budget_s = {"default": 360.0, "full": 540.0, "tiny": 600.0}[args.preset]
@@ -253,7 +266,7 @@ def get_sampler(a, cfg, name) -> smp.Sampler:
   if name not in _SAMPLERS:
     recipe, kv = recipe_of(a, name), CONFIGS[name][1]
     scfg = smp.SamplerConfig(slots=a.slots, max_len=a.prompt_len + a.max_new, prompt_buckets=(a.prompt_len,),
-                             kv_cache=kv, decode_chunk=a.decode_chunk)
+                             kv_cache=kv, decode_chunk=a.decode_chunk, **SAMPLER_OVERRIDES.get(name, {}))
     cfg = dataclasses.replace(cfg, **MODEL_OVERRIDES.get(name, {}))
     _SAMPLERS[name] = smp.Sampler(cfg, scfg, ops.LinearConfig.from_recipe(recipe))
   return _SAMPLERS[name]
@@ -264,7 +277,8 @@ def run_fp8jax(a, cfg, name, params, prompts, workload, kv_scales=None) -> dict:
   max_len = a.prompt_len + a.max_new
   s = get_sampler(a, cfg, name)
   if workload == "uniform":
-    sp, n = smp.SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new, seed=a.seed), 1
+    sp, n = smp.SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new, seed=a.seed), a.samples
+    prompts = prompts[:max(1, len(prompts) // n)]
   else:
     sp = smp.SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new, seed=a.seed,
                             stop_token_ids=long_tail_stop_ids(cfg.vocab_size, a.max_new, a.seed))

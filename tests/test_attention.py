@@ -245,6 +245,64 @@ def test_codes_take_fp16_operands_interpret():
   assert not np.array_equal(np.asarray(train), np.asarray(bf16_ops))
 
 
+def _prompt_groups(seed, groups, own_blocks, h, kv, d, fp8):
+  """A page pool where the sequences of each group (sizes ``groups[i][0]``) share their first ``groups[i][1]`` pages
+  (a prompt's, written once) and then read ``own_blocks`` pages of their own; pages in a random pool order with
+  stale NaN pages around. -> (q_BxHxD, pool k, pool v, table, positions (each past its shared blocks), shared_B,
+  scales)."""
+  rng = np.random.default_rng(seed)
+  bk = ref.BLOCK_KV
+  b = sum(n for n, _ in groups)
+  n_pages = sum(nb for _, nb in groups) + b * own_blocks + 3
+  perm = rng.permutation(n_pages)
+  q, k, v, ks, vs = _qkv(seed, n_pages, bk, 1, kv, d, fp8=fp8)  # one random page per pool entry
+  q = jax.random.normal(jax.random.key(seed + 1), (b, h, d), jnp.float32).astype(jnp.bfloat16)
+  nan = jnp.full(k.shape, jnp.nan, jnp.float32).astype(v.dtype)
+  v = v.at[perm[-3:]].set(nan[:3])
+  rows, shared, nxt = [], [], 0
+  for n, nb in groups:
+    prompt = list(perm[nxt:nxt + nb])
+    nxt += nb
+    for _ in range(n):
+      rows.append(prompt + list(perm[nxt:nxt + own_blocks]))
+      shared.append(nb)
+      nxt += own_blocks
+  width = max(len(r) for r in rows)
+  table = jnp.asarray([r + [r[-1]] * (width - len(r)) for r in rows], jnp.int32)
+  pos = jnp.asarray([int(rng.integers(nb * bk, (nb + own_blocks) * bk)) for nb in shared], jnp.int32)
+  return q, k, v, table, pos, jnp.asarray(shared, jnp.int32), _scales(d, ks, vs)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
+def test_shared_prefix_decode_interpret_equals_plain_decode_bitwise(fp8):
+  """The shared-prefix pass (a prompt's blocks once, its samples' rows in one tile) + the decode tiles resuming from
+  its state == the plain decode tiles, bit for bit: groups larger than a tile (cut in two), of one, a sequence with
+  no shared block, rows ordered across groups."""
+  groups = [(5, 2), (1, 1), (3, 3), (2, 0), (1, 2)]  # (sequences, shared blocks); 2 with 2 blocks: different pages
+  q, k, v, table, pos, shared, (qs, vsc) = _prompt_groups(3 + fp8, groups, 2, 8, 2, 64, fp8)
+  perm = np.random.default_rng(0).permutation(q.shape[0])  # a group's sequences need not be adjacent
+  q, table, pos, shared = q[perm], table[perm], pos[perm], shared[perm]
+  cfg = kern.TuningConfig(decode_block_q=16)  # 4 sequences of G = 4 heads per prefix tile
+  plain = kern.attention_heads(q, k, v, pos, qs, vsc, table, config=cfg, interpret=True)
+  got = kern.attention_heads(q, k, v, pos, qs, vsc, table, shared, config=cfg, interpret=True)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
+  assert np.all(np.isfinite(np.asarray(got, np.float32)))
+  want = ref.attention_reference(q[:, None], k, v, pos[:, None], qs, vsc, block_kv=ref.BLOCK_KV, page_table_BxNb=table,
+                                 kv_codes=fp8)[0][:, 0]
+  assert _rel(got, want) <= 5e-3
+
+
+def test_shared_prefix_tiles_group_sequences_by_prefix():
+  """Tiles hold only sequences of one (first page, shared count) group, each sequence exactly once, at most
+  ``per_tile`` per tile; sequences without shared blocks alone."""
+  table = jnp.asarray([[7, 1], [3, 2], [7, 4], [7, 5], [3, 6], [7, 8], [9, 0], [7, 9]], jnp.int32)
+  shared = jnp.asarray([2, 1, 2, 2, 1, 2, 0, 1], jnp.int32)  # seq 7 shares page 7 but 1 block: its own group
+  tiles = np.asarray(kern.shared_prefix_tiles(table, shared, 3))
+  got = sorted(tuple(sorted(int(x) for x in t if x >= 0)) for t in tiles if (t >= 0).any())
+  assert got == [(0, 2, 3), (1, 4), (5,), (6,), (7,)]
+  assert np.all(tiles[len(got):] == -1)
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
 def test_paged_kernels_interpret_equal_dense_kernels_bitwise(fp8):
   """The kernels' paged form (decode and prefill tiles reading pages through the table) == their dense form."""
@@ -334,6 +392,9 @@ def test_kernels_lower_for_cuda(kv_dtype):
   pool = S((3000, 128, kv, d), kv_dtype)  # the paged form: pages of one key block, a page table per sequence
   assert "triton" in _lower_cuda(kern.attention_heads, S((256, h, d), bf), pool, pool, S((256,), i32), *sc,
                                  S((256, 12), i32))
+  lowered = _lower_cuda(kern.attention_heads, S((256, h, d), bf), pool, pool, S((256,), i32), *sc, S((256, 12), i32),
+                        S((256,), i32))  # the shared-prefix form: the prefix pass, then the resuming decode tiles
+  assert lowered.count("__gpu$xla.gpu.triton") == 2
   assert "triton" in _lower_cuda(kern.attention_seq, S((64, 512, h, d), bf), pool, pool, S((64, 512), i32), *sc,
                                  S((64, 4), i32))
   if kv_dtype != jnp.float8_e4m3fn:  # the backward reads BF16 values or BF16-held codes (kv_codes)
@@ -484,6 +545,28 @@ def test_gpu_paged_rows_equal_training_rows_bitwise(fp8):
   np.testing.assert_array_equal(np.asarray(rows[:, 0]), np.asarray(train[jnp.arange(b), ps]))
   pre = step(q[:, :300], pk, pv, jnp.broadcast_to(jnp.arange(300), (b, 300)), table)
   np.testing.assert_array_equal(np.asarray(pre), np.asarray(train[:, :300]))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
+def test_gpu_shared_prefix_decode_equals_plain_decode_bitwise(fp8):
+  """The sampler's shared-prefix decode on the GPU (a prompt's pages once per group of samples, Llama's 32/8 heads:
+  16 samples per prefix tile) == the plain decode tiles, bit for bit, through ``attend`` as the model calls it."""
+  groups = [(20, 4), (16, 2), (1, 3), (5, 0), (3, 1)]
+  q, k, v, table, pos, shared, _ = _prompt_groups(40 + fp8, groups, 3, 32, 8, 128, fp8)
+  ks, vs = (jnp.float32(8 / 448), jnp.float32(4 / 448)) if fp8 else (None, None)
+  perm = np.random.default_rng(1).permutation(q.shape[0])
+  q, table, pos, shared = q[perm], table[perm], pos[perm], shared[perm]
+  step = fp8jax.jit(lambda q, p, pt, sb: attn.attend(q[:, None], k, v, p[:, None], k_scale=ks, v_scale=vs,
+                                                     backend="pallas", page_table=pt, shared_blocks=sb)[:, 0])
+  got = step(q, pos, table, shared)
+  plain = step(q, pos, table, None)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
+  qs, vsc = _scales(128, ks, vs)
+  want = ref.attention_reference(q[:, None], k, v, pos[:, None], qs, vsc, block_kv=ref.BLOCK_KV,
+                                 page_table_BxNb=table, kv_codes=fp8)[0][:, 0]
+  assert _rel(got, want) <= 5e-3
 
 
 @pytest.mark.gpu

@@ -79,6 +79,19 @@ def test_sampler_vs_trainer_exact_gpu(recipe):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 GPU (the Pallas kernels)")
 @pytest.mark.parametrize("recipe", ["bf16", "fp8+kv"])
+def test_sampler_vs_trainer_exact_gpu_shared_prompt_pages(recipe):
+  """Prompts of 130-500 tokens (1-3 whole pages each, shared by 6 samples): decode attention reads them in the
+  shared-prefix pass, 6 slots' rows in one tile, and resumes per slot; still every log-prob bitwise the trainer's."""
+  cfg = one_engine.model_config(1024, 2, 32768)
+  prompts = [np.random.default_rng(i).integers(0, 32768, size=130 + 37 * i).tolist() for i in range(10)]
+  m = one_engine.sampler_vs_trainer(cfg, one_engine.recipes()[recipe], prompts, slots=32, samples=6, max_new=24,
+                                    bucket=512)
+  assert m["token_mult_prob_error"] == 1.0 and m["bitwise_equal_frac"] == 1.0, m
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 GPU (the Pallas kernels)")
+@pytest.mark.parametrize("recipe", ["bf16", "fp8+kv"])
 def test_sampler_vs_trainer_exact_gpu_llama_vocab(recipe):
   """At Llama-3.1-8B width and vocabulary (15 full head chunks and a 5376-wide one) with 128 slots: where XLA's
   fusion autotuner gave the head's row statistics another tiling in decode than in training (1-5 of 2048 tokens one
