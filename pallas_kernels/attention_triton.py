@@ -262,11 +262,12 @@ def _prefix_kernel(q_ref, k_ref, v_ref, tiles_ref, nb_ref, sc_ref, pt_ref, m_ref
 
 
 def shared_prefix_tiles(page_table_BxNb, shared_blocks_B, per_tile: int):
-  """(B, per_tile) int32 tiles of sequences that share their first key blocks: sequence b's first
-  ``shared_blocks_B[b]`` pages are the same pages for every sequence with the same first page and the same count
-  (the caller's promise: the sampler's prompt pages). Sequences are grouped by (first page, count) and each group cut
-  into tiles of ``per_tile``; -1 pads a tile, and tiles past the last are all -1. Sequences with no shared block
-  take tiles of their own (the prefix pass skips them: nothing to share)."""
+  """-> (tiles (B, per_tile) int32, blocks (B,) int32): tiles of sequences that share their first key blocks.
+  Sequence b's first ``shared_blocks_B[b]`` pages are the same pages for every sequence with the same first page
+  and the same count (the caller's promise: the sampler's prompt pages). Sequences are grouped by (first page,
+  count) and each group cut into tiles of ``per_tile``; -1 pads a tile, and tiles past the last are all -1.
+  ``blocks`` is the count the two passes use: 0 for a sequence alone in its group (nothing to share: its decode
+  tile reads everything, as without the pass) and for sequences with no shared block (tiles of their own)."""
   b, nb = page_table_BxNb.shape
   idx = jnp.arange(b, dtype=jnp.int32)
   n = shared_blocks_B.astype(jnp.int32)
@@ -276,7 +277,10 @@ def shared_prefix_tiles(page_table_BxNb, shared_blocks_B, per_tile: int):
   new_group = jnp.concatenate([jnp.ones((1,), bool), ks[1:] != ks[:-1]])
   within = idx - lax.cummax(jnp.where(new_group, idx, 0))
   tile = jnp.cumsum(new_group | (within % per_tile == 0)) - 1
-  return jnp.full((b, per_tile), -1, jnp.int32).at[tile, within % per_tile].set(order)
+  group = jnp.cumsum(new_group) - 1
+  size = jnp.zeros((b,), jnp.int32).at[group].add(1)[group]  # sequences in each one's group, in sorted order
+  blocks = jnp.zeros((b,), jnp.int32).at[order].set(jnp.where(size > 1, n[order], 0))
+  return jnp.full((b, per_tile), -1, jnp.int32).at[tile, within % per_tile].set(order), blocks
 
 
 def _scalars(qk_scale, v_scale):
@@ -361,15 +365,17 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
       raise ValueError(f"attention_heads: shared_blocks_B needs G = {g} query heads per key/value head <= "
                        f"decode_block_q = {bq} (one tile holds whole sequences)")
     per_tile = bq // g
-    nb = shared_blocks_B.astype(jnp.int32)
-    tiles = shared_prefix_tiles(page_table_BxNb, nb, per_tile)
+    tiles, nb = shared_prefix_tiles(page_table_BxNb, shared_blocks_B, per_tile)
     f32 = jnp.float32
-    state = pl.pallas_call(
-        functools.partial(_prefix_kernel, g=g, bq=bq, per_tile=per_tile),
-        out_shape=(jax.ShapeDtypeStruct((b * h,), f32), jax.ShapeDtypeStruct((b * h,), f32),
-                   jax.ShapeDtypeStruct((b * h, d), f32)),
-        grid=(b, n_kv), compiler_params=params, interpret=interpret, name="fp8jax_attention_decode_prefix",
-    )(q_BxHxD, k, v, tiles, nb, scalars, *extra)
+    shapes = (jax.ShapeDtypeStruct((b * h,), f32), jax.ShapeDtypeStruct((b * h,), f32),
+              jax.ShapeDtypeStruct((b * h, d), f32))
+    prefix = pl.pallas_call(
+        functools.partial(_prefix_kernel, g=g, bq=bq, per_tile=per_tile), out_shape=shapes, grid=(b, n_kv),
+        compiler_params=params, interpret=interpret, name="fp8jax_attention_decode_prefix")
+    # No group of two or more (e.g. one sample per prompt): no pass; the decode tiles start at block 0 everywhere
+    # and never read the state (zeros here).
+    state = lax.cond(jnp.any(nb > 0), lambda: prefix(q_BxHxD, k, v, tiles, nb, scalars, *extra),
+                     lambda: tuple(jnp.zeros(x.shape, x.dtype) for x in shapes))
     extra = (*extra, nb, *state)
   return pl.pallas_call(
       functools.partial(_heads_fwd_kernel, g=g, n_kb=n_kb, bq=bq, paged=page_table_BxNb is not None, shared=shared),

@@ -290,6 +290,11 @@ def test_shared_prefix_decode_interpret_equals_plain_decode_bitwise(fp8):
   want = ref.attention_reference(q[:, None], k, v, pos[:, None], qs, vsc, block_kv=ref.BLOCK_KV, page_table_BxNb=table,
                                  kv_codes=fp8)[0][:, 0]
   assert _rel(got, want) <= 5e-3
+  # One sample per prompt: no group of two, no prefix pass (the cond's other branch), the same rows.
+  q, k, v, table, pos, shared, _ = _prompt_groups(5, [(1, 2), (1, 1), (1, 3)], 2, 8, 2, 64, fp8)
+  np.testing.assert_array_equal(
+      np.asarray(kern.attention_heads(q, k, v, pos, qs, vsc, table, shared, config=cfg, interpret=True)),
+      np.asarray(kern.attention_heads(q, k, v, pos, qs, vsc, table, config=cfg, interpret=True)))
 
 
 def test_shared_prefix_tiles_group_sequences_by_prefix():
@@ -297,10 +302,13 @@ def test_shared_prefix_tiles_group_sequences_by_prefix():
   ``per_tile`` per tile; sequences without shared blocks alone."""
   table = jnp.asarray([[7, 1], [3, 2], [7, 4], [7, 5], [3, 6], [7, 8], [9, 0], [7, 9]], jnp.int32)
   shared = jnp.asarray([2, 1, 2, 2, 1, 2, 0, 1], jnp.int32)  # seq 7 shares page 7 but 1 block: its own group
-  tiles = np.asarray(kern.shared_prefix_tiles(table, shared, 3))
+  tiles, blocks = kern.shared_prefix_tiles(table, shared, 3)
+  tiles = np.asarray(tiles)
   got = sorted(tuple(sorted(int(x) for x in t if x >= 0)) for t in tiles if (t >= 0).any())
   assert got == [(0, 2, 3), (1, 4), (5,), (6,), (7,)]
   assert np.all(tiles[len(got):] == -1)
+  # the passes' block counts: a sequence alone in its group (7) shares nothing, reads everything itself
+  np.testing.assert_array_equal(np.asarray(blocks), [2, 1, 2, 2, 1, 2, 0, 0])
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
