@@ -236,6 +236,10 @@ def variant_configs(m, n, k):
   else:
     cands = [T(s, w, st, k_blocks=2, cross_tile=True) for s, w, st in
              (("m", 128, 2), ("n", 64, 4), ("n", 32, 4), ("n", 16, 4))] + [T("n", 16, 8)]
+    # Deeper rings for the decode-sized 128-row CTAs (one K block per step, or two without the cross-tile
+    # pipeline), and 128 x 64 CTAs (twice the tiles of 128 x 128: N = 6144 fills the SMs).
+    cands += [T("m", 128, 5), T("m", 128, 3, k_blocks=2), T("m", 64, 6, k_blocks=2), T("m", 64, 8),
+              T("m", 64, 4, k_blocks=2, cross_tile=True)]
   return [first] + [c for c in cands if c != first]
 
 

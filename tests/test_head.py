@@ -85,26 +85,57 @@ def test_rows_do_not_depend_on_the_batch(kind):
     np.testing.assert_allclose(ent_r, ent[jnp.asarray(rows)], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "fp8_frozen"])
+def test_whole_vocab_path_matches_chunks(kind, monkeypatch):
+  """The sampler's one-GEMM path (``whole_vocab_gemm``; on CPU forced here, where it is off) takes each chunk's
+  statistics from the right columns: its logits, log-probs and logsumexp agree with the chunked path's (to FP32
+  rounding on XLA:CPU, whose matmul blocking follows N; the GPU twin below asserts bits)."""
+  w, h, t = _inputs(5)
+  wt = _weights(w)[kind]
+  assert not head.whole_vocab_gemm(wt, LIN)  # CPU: the reference GEMMs, chunked
+
+  def run():
+    lg, lse = fp8jax.jit(lambda w_, h_: head.logits_and_lse(w_, h_, LIN, TEMP))(wt, h)
+    return lg, lse, head.token_logprob(lg, lse, t, TEMP)
+
+  chunked = run()
+  monkeypatch.setattr(head, "whole_vocab_gemm", lambda *_: True)
+  whole = run()
+  assert whole[0].shape == (N, V)
+  for a, b in zip(whole, chunked):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 GPU (the invariant Pallas GEMM)")
-@pytest.mark.parametrize("kind", ["fp8_master", "fp8_frozen"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8_master", "fp8_frozen"])
 def test_gpu_sampler_rows_are_trainer_rows(kind, monkeypatch):
-  """On Hopper, with the head on the batch-invariant FP8 kernel: the sampler's log-prob of a row at decode sizes
-  (1, 64 rows) is bitwise the trainer's at a training size (4096 rows), at a real vocabulary and chunk size."""
+  """On Hopper, with the head on the batch-invariant kernels: the sampler's log-prob of a row at decode sizes
+  (1, 64 rows) is bitwise the trainer's at a training size (4096 rows), at a real vocabulary and chunk size; the
+  sampler's logits from one whole-vocabulary GEMM are bitwise its chunked GEMMs'."""
   monkeypatch.setattr(head, "VOCAB_CHUNK", 8192)
   k = jax.random.key(11)
   v, d, n = 32768 + 640, 1024, 4096
   w = 0.02 * jax.random.normal(k, (v, d), jnp.float32)
   wt = _weights(w)[kind]
+  assert head.whole_vocab_gemm(wt, LIN)
   h = jax.random.normal(jax.random.fold_in(k, 1), (n, d), jnp.float32).astype(jnp.bfloat16)
   t = jax.random.randint(jax.random.fold_in(k, 2), (n,), 0, v)
   lp, ent = _trainer(wt, h, t)
+  whole = {}
   for m in (1, 64):
     idx = jnp.asarray(np.random.default_rng(m).choice(n, m, replace=False))
     lp_t, ent_t = _trainer(wt, h[idx], t[idx])
     np.testing.assert_array_equal(lp_t, lp[idx])
     np.testing.assert_array_equal(ent_t, ent[idx])
-    np.testing.assert_array_equal(_sampler(wt, h[idx], t[idx])[0], lp[idx])
+    whole[m] = _sampler(wt, h[idx], t[idx])
+    np.testing.assert_array_equal(whole[m][0], lp[idx])
+  monkeypatch.setattr(head, "whole_vocab_gemm", lambda *_: False)
+  for m in (1, 64):
+    idx = jnp.asarray(np.random.default_rng(m).choice(n, m, replace=False))
+    lp_c, lg_c = _sampler(wt, h[idx], t[idx])
+    np.testing.assert_array_equal(whole[m][1], lg_c)
+    np.testing.assert_array_equal(whole[m][0], lp_c)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8_master"])

@@ -16,8 +16,9 @@ Why chunks:
     several (N, V) FP32 tensors (16.8 GB each for 8 x 4096 tokens at V = 128256) — the fused linear + cross-entropy
     trick of long-sequence trainers.
   * One engine. The sampler needs all V logits to sample, so ``logits_and_lse`` returns them, but it computes them
-    with the same chunked GEMMs and the same in-body statistics as the trainer; the token's log-prob is then the same
-    arithmetic in decode (N = slots) and in training (N = tokens). A row's bits do not depend on N where the GEMM's
+    with the same chunked GEMMs (or, on the Hopper kernels, one whole-vocabulary GEMM whose columns are bitwise the
+    chunks': ``whole_vocab_gemm``) and the same in-body statistics as the trainer; the token's log-prob is then the
+    same arithmetic in decode (N = slots) and in training (N = tokens). A row's bits do not depend on N where the GEMM's
     do not (the Pallas kernels; ``invariant_dot`` on CPU) and every row reduction runs over a fixed C-wide chunk, not
     over a length that follows the batch. Chunking also fixes the GEMM's N (= C) for both callers, which matters on
     XLA:CPU, whose matmul blocking depends on N as well as M.
@@ -97,8 +98,35 @@ def _over_chunks(body, v: int):
   return outs
 
 
+def whole_vocab_gemm(w, lcfg: ops.LinearConfig) -> bool:
+  """Whether ``logits_and_lse`` computes all V logits in one GEMM (then takes the chunks' statistics from its
+  slices) instead of one GEMM per chunk: where the linear runs on the Hopper kernels (``pallas_kernels.fp8_gemm_mgpu``),
+  whose every output element is the same chain of wgmma steps whatever N, the tile config and the element's place
+  (that module's docstring, items 3 / 3b; tested bitwise on the GPU), so the whole GEMM's columns [start, start + C)
+  are bitwise the chunk's GEMM. It saves per decode step a copy of each chunk's weight rows (the whole head weight:
+  ~0.6 ms at 8B, H200) and runs one persistent kernel instead of ~16 one-wave launches. V must be whole 128-blocks
+  (the kernel's N), else the chunked path runs: the same bits either way. Elsewhere (XLA:CPU, whose blocking
+  follows N) the chunked GEMMs run."""
+  if w.shape[0] % quant.BLOCK:
+    return False
+  if isinstance(w, (quant.QWeight, quant.FP8Weight)):
+    return ops.resolve_backend(lcfg.backend) == "pallas"
+  return ops.resolve_bf16_backend(lcfg.backend) == "pallas"
+
+
 def logits_and_lse(w, h_NxD, lcfg: ops.LinearConfig = ops.LinearConfig(), temperature: float = 1.0):
-  """The sampler's view: FP32 logits (N, V) (unscaled) and logsumexp (N,) of logits / temperature."""
+  """The sampler's view: FP32 logits (N, V) (unscaled) and logsumexp (N,) of logits / temperature. Each chunk's
+  statistics are computed as in the trainer; the logits come from one GEMM where ``whole_vocab_gemm`` says the bits
+  are the chunks' anyway."""
+  if whole_vocab_gemm(w, lcfg):
+    logits = ops.linear(h_NxD, w, dataclasses.replace(lcfg, out_dtype="float32"))
+
+    def body(start, size):
+      return None, _stats(lax.dynamic_slice_in_dim(logits, start, size, 1) / temperature)
+
+    lse, _ = _combine([st for _, st in _over_chunks(body, w.shape[0])])
+    return logits, lse
+
   def body(start, size):
     l = _chunk_logits(h_NxD, w, start, size, lcfg)
     return l, _stats(l / temperature)
