@@ -9,6 +9,11 @@ Workloads (each config runs each one twice: the first call compiles, the second 
   uniform    --slots prompts of --prompt_len random tokens, 1 sample each, no stop token: every request runs to
              exactly --max_new tokens (the issue's 256 x (512 -> 1024)). --samples N: slots / N prompts, N samples
              each (the samples of a prompt share its pages, and decode attention reads them once per step).
+             --prompts P (with --samples N): P prompts x N samples, more requests than slots when P x N > slots
+             (the recipes' 64 x 32 on 256 slots: finished slots take waiting requests inside the jitted loop). The
+             JSON gives the pool's bytes (kv_cache_bytes) and what it would take with every slot holding its own
+             copy of its prompt's pages (kv_cache_bytes_if_copied); the *_noshare configs read the prompt pages per
+             slot, as a copy would.
   long_tail  the same prompts, 2 samples each (--long_tail_samples; 2 x slots requests, one prefill per prompt), with a stop set of
              ~vocab * 4 / max_new random token ids: with near-uniform random-weight logits a completion stops after
              a roughly geometric number of tokens (mean ~max_new / 4) or at --max_new. The sampler has no
@@ -73,6 +78,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8jax import kvcache as kvc
 from fp8jax import ops, quant
 from fp8jax import sampler as smp
 from fp8jax.config_utils import load_config_file
@@ -126,6 +132,9 @@ def parse_args(argv=None):
   p.add_argument("--samples", type=int, default=1,
                  help="samples per prompt of the uniform workload (slots / this distinct prompts): the GRPO shape, "
                       "whose samples share their prompt's pages")
+  p.add_argument("--prompts", type=int, default=None,
+                 help="distinct prompts of the uniform workload (default: slots / --samples); requests = this x "
+                      "--samples, which may exceed the slots")
   p.add_argument("--long_tail_samples", type=int, default=2,
                  help="samples per prompt of the long_tail workload (requests = slots x this): more than 2 keeps a "
                       "queue of waiting requests, which is what slot refills are for")
@@ -153,6 +162,8 @@ def parse_args(argv=None):
   if args.samples < 1 or (args.samples > 1 and not args.no_tunix):
     p.error(f"--samples={args.samples}: must be >= 1, and > 1 needs --no_tunix (the tunix peer runs 1 sample per "
             "prompt)")
+  if args.prompts is not None and args.prompts < 1:
+    p.error(f"--prompts={args.prompts}: must be >= 1")
   args.preset = "full" if args.full else "tiny" if args.tiny else "default"
   if args.budget_s is None:
     args.budget_s = {"default": 360.0, "full": 540.0, "tiny": 600.0}[args.preset]
@@ -278,11 +289,11 @@ def run_fp8jax(a, cfg, name, params, prompts, workload, kv_scales=None) -> dict:
   s = get_sampler(a, cfg, name)
   if workload == "uniform":
     sp, n = smp.SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new, seed=a.seed), a.samples
-    prompts = prompts[:max(1, len(prompts) // n)]
+    prompts = prompts[:a.prompts or max(1, a.slots // n)]
   else:
     sp = smp.SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new, seed=a.seed,
                             stop_token_ids=long_tail_stop_ids(cfg.vocab_size, a.max_new, a.seed))
-    n = a.long_tail_samples
+    n, prompts = a.long_tail_samples, prompts[:a.slots]
   t0 = time.perf_counter()
   ro = s.generate(params, prompts, sp, n=n, kv_scales=kv_scales)
   first_s = time.perf_counter() - t0
@@ -300,6 +311,11 @@ def run_fp8jax(a, cfg, name, params, prompts, workload, kv_scales=None) -> dict:
          "lengths": length_stats(ro, a.max_new),
          "roofline": roofline(cfg, ro, weight_bytes_per_step(params, cfg), kv == "fp8", recipe.mode == "fp8", a.slots,
                               max_len, decode_s)}
+  # Memory vs copying: every slot holding its whole context in its own pages (its prompt's KV copied in).
+  lay = s.layout(len(prompts), a.prompt_len, a.max_new)
+  heads, head_dim, values = cfg.kv_cache_layout
+  res["kv_cache_bytes_if_copied"] = kvc.cache_bytes(cfg.n_layers, lay.slots * lay.blocks, lay.page, heads, head_dim,
+                                                    kv == "fp8", values)
   if profile is not None:
     res["profile"] = profile
   if workload == "long_tail":
@@ -527,7 +543,7 @@ def main(argv=None):
           "roofline": {"hbm_bytes_per_s": HBM_BYTES_PER_S, "peak_flops": PEAK_FLOPS}}
   log(f"bench_rollout: {meta['device_kind']} jax {jax.__version__}, preset {a.preset}: {cfg.n_layers} layers, "
       f"dim {cfg.dim}, vocab {cfg.vocab_size}; slots {a.slots}, prompt {a.prompt_len}, max_new {a.max_new}")
-  prompts = make_prompts(a.slots, a.prompt_len, cfg.vocab_size, a.seed)
+  prompts = make_prompts(max(a.slots, a.prompts or 0), a.prompt_len, cfg.vocab_size, a.seed)
   out = {"meta": meta, "fp8jax": [], "tunix": {"status": "not run yet"}}
   t_start = time.perf_counter()
   last_run_s = [0.0]
@@ -577,7 +593,7 @@ def main(argv=None):
       elif a.model_config:
         out["tunix"] = {"status": "skipped", "why": f"tunix peer is Llama only; --model_config={a.model_config}"}
       elif not over_budget("tunix"):
-        out["tunix"] = timed(run_tunix, a, cfg, master, prompts)
+        out["tunix"] = timed(run_tunix, a, cfg, master, prompts[:a.slots])
         if out["tunix"]["status"] != "ok":
           log(f"tunix peer {out['tunix']['status']}: {out['tunix']['why']}")
       save(a, out)
