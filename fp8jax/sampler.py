@@ -15,7 +15,8 @@ How a batch of requests (prompts x n samples) is generated:
      new token. A finished slot is thus refilled on the next step; the host syncs every ``decode_chunk`` steps only
      to see whether all requests are done;
   5. each decode step computes the logits and their logsumexp with the trainer's chunked head
-     (``fp8jax.model.head``: the same chunked GEMMs and row statistics) and reports z[token] - logsumexp for the
+     (``fp8jax.model.head``: the same row statistics per vocabulary chunk, and the chunked GEMMs' bits; on the
+     Hopper kernels one whole-vocabulary GEMM, ``head.whole_vocab_gemm``) and reports z[token] - logsumexp for the
      sampled token. The reported log-prob is that of the temperature-scaled distribution, without top-p/top-k
      renormalization, so sampler-vs-trainer mismatch measures numerics only.
 Randomness is per request: the key of generated token i of request r is fold_in(fold_in(key(seed), r), i), so a
