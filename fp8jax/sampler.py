@@ -18,7 +18,9 @@ How a batch of requests (prompts x n samples) is generated:
      (``fp8jax.model.head``: the same row statistics per vocabulary chunk, and the chunked GEMMs' bits; on the
      Hopper kernels one whole-vocabulary GEMM, ``head.whole_vocab_gemm``) and reports z[token] - logsumexp for the
      sampled token. The reported log-prob is that of the temperature-scaled distribution, without top-p/top-k
-     renormalization, so sampler-vs-trainer mismatch measures numerics only.
+     renormalization, so sampler-vs-trainer mismatch measures numerics only;
+  6. on the Hopper kernels q/k/v and gate/up run as one GEMM each over weights concatenated once per call
+     (``fp8jax.model.fuse``: the fused GEMM's columns are bitwise the separate GEMMs').
 Randomness is per request: the key of generated token i of request r is fold_in(fold_in(key(seed), r), i), so a
 request's completion does not depend on which slot or batch it ran in.
 """
@@ -38,7 +40,7 @@ import numpy as np
 import fp8jax
 from fp8jax import kvcache as kvc
 from fp8jax import ops, quant
-from fp8jax.model import head, llama
+from fp8jax.model import fuse, head, llama
 from fp8jax.model.config import ModelConfig
 
 FINISH_STOP, FINISH_LENGTH = 0, 1
@@ -95,6 +97,9 @@ class SamplerConfig:
   # decode attention reads a prompt's shared pages once for all its samples in the step (the kernels' shared-prefix
   # pass; same bits either way, off only to measure it)
   shared_prefix_attention: bool = True
+  # q/k/v and gate/up as one GEMM each where the kernels make the fused columns bitwise the separate GEMMs
+  # (``fp8jax.model.fuse``; same bits either way, off only to measure it)
+  fuse_projections: bool = True
 
   def __post_init__(self):
     if self.kv_cache not in quant.KV_CACHE_KINDS:  # the trainer sets it from fp8.kv_cache, validated by Recipe
@@ -273,6 +278,19 @@ class Sampler:
   def __eq__(self, other):
     return isinstance(other, Sampler) and self._key() == other._key()
 
+  def fuse_projections(self, params):
+    """``params`` (``prepare_params`` output) in the sampler's layout: q/k/v and gate/up concatenated where
+    ``fuse.fusable`` (same bits; one GEMM per group). As they are when nothing fuses (on CPU, on a mesh, or with
+    ``SamplerConfig.fuse_projections`` off), so it costs nothing there; else one jitted copy of those weights.
+    ``generate`` calls it; call it first (the rollout worker's refit does) to hold one form only."""
+    if not self.scfg.fuse_projections or not fuse.needs_fusing(params, self.lcfg):
+      return params
+    return self._fuse(params)
+
+  @functools.partial(fp8jax.jit, static_argnums=(0,))
+  def _fuse(self, params):
+    return fuse.fuse_layers(params, self.lcfg)
+
   def layout(self, n_prompts: int, bucket: int, max_new_tokens: int) -> PageLayout:
     page = kvc.key_block()
     blocks = kvc.padded_len(self.scfg.max_len) // page
@@ -421,6 +439,7 @@ class Sampler:
   def generate(self, params, prompts: list[list[int]], sp: SamplingParams, n: int = 1, kv_scales=None) -> Rollout:
     """Generates ``n`` completions for each prompt. ``params`` from ``prepare_params`` (or raw master params)."""
     c, s = self.cfg, self.scfg
+    params = self.fuse_projections(params)
     toks, lens = self._pad_prompts(prompts)
     n_prompts, bucket = toks.shape
     lay = self.layout(n_prompts, bucket, sp.max_new_tokens)

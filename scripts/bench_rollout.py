@@ -73,7 +73,11 @@ import time
 import traceback
 import warnings
 
-import fp8jax  # noqa: F401  (before jax: XLA flags)
+# JAX takes 75% of GPU memory up front by default; the tunix peer's decode (a 43 GiB cache and its updated copy at
+# 256 x 1024 positions, 32 layers) then fails beside fp8jax's live weights. Take 95% unless the caller chose.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
+import fp8jax  # noqa: E402, F401  (before jax: XLA flags)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,10 +104,14 @@ CONFIGS = {  # name -> (recipe, kv cache)
     # "fp8kv" / "bf16" on a workload with --samples > 1
     "fp8kv_noshare": (quant.Recipe(kv_cache="fp8"), "fp8"),
     "bf16_noshare": (quant.Recipe(mode="bf16"), "bf16"),
+    # q/k/v and gate/up as separate GEMMs (the sampler fuses them on the Hopper kernels: fp8jax.model.fuse)
+    "fp8kv_nofuse": (quant.Recipe(kv_cache="fp8"), "fp8"),
+    "bf16_nofuse": (quant.Recipe(mode="bf16"), "bf16"),
 }
 MODEL_OVERRIDES = {"bf16_cublas": {"norm_backend": "xla"}, "fp8kv_xla_norm": {"norm_backend": "xla"}}
 SAMPLER_OVERRIDES = {"fp8kv_noshare": {"shared_prefix_attention": False},
-                     "bf16_noshare": {"shared_prefix_attention": False}}
+                     "bf16_noshare": {"shared_prefix_attention": False},
+                     "fp8kv_nofuse": {"fuse_projections": False}, "bf16_nofuse": {"fuse_projections": False}}
 PRESETS = {
     "default": dict(layers=8, dim=4096, ffn_dim=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256, slots=256,
                     prompt_len=512, max_new=512, decode_chunk=16),
@@ -287,6 +295,7 @@ def run_fp8jax(a, cfg, name, params, prompts, workload, kv_scales=None) -> dict:
   recipe, kv = recipe_of(a, name), CONFIGS[name][1]
   max_len = a.prompt_len + a.max_new
   s = get_sampler(a, cfg, name)
+  params = s.fuse_projections(params)  # once, as the rollout worker's refit does (generate would do it per call)
   if workload == "uniform":
     sp, n = smp.SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new, seed=a.seed), a.samples
     prompts = prompts[:a.prompts or max(1, a.slots // n)]
@@ -538,6 +547,7 @@ def main(argv=None):
           "jaxlib": _dist_version("jaxlib"), "python": platform.python_version(), "preset": a.preset,
           "args": {k: v for k, v in vars(a).items()}, "model": dataclasses.asdict(cfg),
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "xla_python_client_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
           "reference_xla_parts": "RoPE, norms, sampling, KV write; BF16 GEMMs are XLA dots; FP8 GEMM and "
                                  "attention: see gemm_backends",
           "roofline": {"hbm_bytes_per_s": HBM_BYTES_PER_S, "peak_flops": PEAK_FLOPS}}

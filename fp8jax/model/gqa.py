@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from fp8jax import attention as attn
 from fp8jax import kvcache as kvc
 from fp8jax import ops
+from fp8jax.model import fuse
 from fp8jax.model.config import ModelConfig
 from fp8jax.model.layers import apply_rope, rms_norm
 from fp8jax.model.schema import PARALLEL
@@ -24,9 +25,8 @@ def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, la
   """
   b, t, _ = x_BxTxD.shape
   hq, hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-  q = ops.linear(x_BxTxD, p["wq"], lcfg, PARALLEL["wq"]).reshape(b, t, hq, hd)
-  k = ops.linear(x_BxTxD, p["wk"], lcfg, PARALLEL["wk"]).reshape(b, t, hkv, hd)
-  v = ops.linear(x_BxTxD, p["wv"], lcfg, PARALLEL["wv"]).reshape(b, t, hkv, hd)
+  q, k, v = fuse.project(p, x_BxTxD, ("wq", "wk", "wv"), (hq * hd, hkv * hd, hkv * hd), lcfg)
+  q, k, v = q.reshape(b, t, hq, hd), k.reshape(b, t, hkv, hd), v.reshape(b, t, hkv, hd)
   if cfg.qk_norm:
     q, k = (rms_norm(q, p["q_norm"], cfg.norm_eps, cfg.norm_backend, lcfg.mesh),
             rms_norm(k, p["k_norm"], cfg.norm_eps, cfg.norm_backend, lcfg.mesh))

@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax import ops
+from fp8jax.model import fuse
 from fp8jax.model.schema import PARALLEL
 
 
 def mlp(p, x, lcfg, prefix: str = "w_"):
   """``prefix``: "w_" (w_gate, w_up, w_down: a dense layer) or "shared_" (DeepSeek-V3's shared experts)."""
   gate, up, down = prefix + "gate", prefix + "up", prefix + "down"
-  g = ops.linear(x, p[gate], lcfg, PARALLEL[gate])
-  u = ops.linear(x, p[up], lcfg, PARALLEL[up])
+  g, u = fuse.project(p, x, (gate, up), None, lcfg)
   return ops.linear(jax.nn.silu(g.astype(jnp.float32)).astype(x.dtype) * u, p[down], lcfg, PARALLEL[down])

@@ -50,7 +50,7 @@ class RolloutWorker:
 
   def refit(self, params):
     """The sampler's weights from the learner's master weights (the requantization after every optimizer step)."""
-    return sampler_lib.refit(params, recipe=self.recipe)
+    return self.sampler.fuse_projections(sampler_lib.refit(params, recipe=self.recipe))
 
   def sampling_seed(self, step: int, attempt: int) -> int:
     """The sampling seed of RL step ``step``'s ``attempt``-th generate call (dynamic sampling's refills are further
