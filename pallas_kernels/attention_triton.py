@@ -372,10 +372,11 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
     prefix = pl.pallas_call(
         functools.partial(_prefix_kernel, g=g, bq=bq, per_tile=per_tile), out_shape=shapes, grid=(b, n_kv),
         compiler_params=params, interpret=interpret, name="fp8jax_attention_decode_prefix")
-    # No group of two or more (e.g. one sample per prompt): no pass; the decode tiles start at block 0 everywhere
-    # and never read the state (zeros here).
-    state = lax.cond(jnp.any(nb > 0), lambda: prefix(q_BxHxD, k, v, tiles, nb, scalars, *extra),
-                     lambda: tuple(jnp.zeros(x.shape, x.dtype) for x in shapes))
+    # Always launched: with no group of two or more (e.g. one sample per prompt) every tile is -1 and every program
+    # returns at once, leaving the state unwritten, which the decode tiles never read then (they start at block 0
+    # where nb is 0 and select the empty state). Not a lax.cond: on the GPU a conditional copies its predicate to
+    # the host and waits, once per layer and decode step, and the GPU idles while the next kernels are launched.
+    state = prefix(q_BxHxD, k, v, tiles, nb, scalars, *extra)
     extra = (*extra, nb, *state)
   return pl.pallas_call(
       functools.partial(_heads_fwd_kernel, g=g, n_kb=n_kb, bq=bq, paged=page_table_BxNb is not None, shared=shared),

@@ -290,7 +290,8 @@ def test_shared_prefix_decode_interpret_equals_plain_decode_bitwise(fp8):
   want = ref.attention_reference(q[:, None], k, v, pos[:, None], qs, vsc, block_kv=ref.BLOCK_KV, page_table_BxNb=table,
                                  kv_codes=fp8)[0][:, 0]
   assert _rel(got, want) <= 5e-3
-  # One sample per prompt: no group of two, no prefix pass (the cond's other branch), the same rows.
+  # One sample per prompt: no group of two, every prefix tile empty (the pass writes no state, the decode tiles start
+  # at block 0 and never read it): the same rows.
   q, k, v, table, pos, shared, _ = _prompt_groups(5, [(1, 2), (1, 1), (1, 3)], 2, 8, 2, 64, fp8)
   np.testing.assert_array_equal(
       np.asarray(kern.attention_heads(q, k, v, pos, qs, vsc, table, shared, config=cfg, interpret=True)),
