@@ -56,7 +56,8 @@ FP8 K/V upcast in registers). What is still plain XLA: RoPE, norms, sampling, th
 on sm_90 when it loads, else the exact XLA block reference (slow): ops.backend_report() is printed and saved. BF16
 GEMMs (the lm_head, every linear of bf16) run the batch-invariant BF16 kernel and RMSNorm its fixed-tile kernel; the
 configs bf16_cublas (cuBLAS BF16 GEMMs + XLA RMSNorm) and fp8kv_xla_norm (XLA RMSNorm) put the shape-dependent
-pieces back, to measure the price of the exact one engine beside bf16 / fp8kv in one run.
+pieces back, to measure the price of the exact one engine beside bf16 / fp8kv in one run. fp8kv_nofuse / bf16_nofuse
+run q/k/v and gate/up as separate GEMMs (the sampler fuses them on the Hopper kernels: fp8jax.model.fuse).
 """
 
 from __future__ import annotations
