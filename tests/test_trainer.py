@@ -369,6 +369,18 @@ def test_bad_config_is_named_before_work_starts(tmp_path, monkeypatch, key, valu
   assert not os.listdir(tmp_path)
 
 
+def test_rollout_switches_reach_the_sampler(tmp_path, monkeypatch):
+  """rollout.shared_prefix_attention / rollout.fuse_projections (same bits either way, off to measure them) reach
+  the sampler's config; both default on."""
+  monkeypatch.setattr(trainer_lib.RLTrainer, "_init_state", lambda self: None)
+  on = trainer_lib.RLTrainer(small_config(), str(tmp_path / "on")).worker.sampler.scfg
+  off = trainer_lib.RLTrainer(small_config(**{"rollout.shared_prefix_attention": False,
+                                              "rollout.fuse_projections": False}),
+                              str(tmp_path / "off")).worker.sampler.scfg
+  assert on.shared_prefix_attention and on.fuse_projections
+  assert not off.shared_prefix_attention and not off.fuse_projections
+
+
 def test_llama8b_recipe_says_what_to_download(tmp_path):
   from configs import llama8b_bf16, llama8b_fp8
 

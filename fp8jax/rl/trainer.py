@@ -166,7 +166,9 @@ class RLTrainer:
                                      max_refills_per_step=r.get("max_refills_per_step",
                                                                 sampler_lib.SamplerConfig.max_refills_per_step),
                                      shared_prefix_attention=r.get("shared_prefix_attention",
-                                                                   sampler_lib.SamplerConfig.shared_prefix_attention))
+                                                                   sampler_lib.SamplerConfig.shared_prefix_attention),
+                                     fuse_projections=r.get("fuse_projections",
+                                                            sampler_lib.SamplerConfig.fuse_projections))
     self.task = make_source(config, self.cfg.vocab_size)
     sp = sampler_lib.SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                     max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(self.task.eos_ids))
