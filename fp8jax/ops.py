@@ -157,6 +157,14 @@ def resolve_bf16_backend(requested: str) -> str:
                         probe=lambda: _kernel_probe(_pallas_bf16_gemm), prefix="bf16:")
 
 
+def linear_backend(w, requested: str) -> str:
+  """The backend ``linear`` runs weight ``w`` on: the FP8 GEMM's for an FP8 weight (``QWeight`` / ``FP8Weight``),
+  the BF16 GEMM's otherwise."""
+  if isinstance(w, (quant.QWeight, quant.FP8Weight)):
+    return resolve_backend(requested)
+  return resolve_bf16_backend(requested)
+
+
 def choose_backend(requested: str, *, what: str, config_key: str, probe, prefix: str = "") -> str:
   """The one backend switch (GEMMs, attention): 'auto' | 'xla' | 'pallas' -> 'pallas' or 'xla'.
 

@@ -107,11 +107,7 @@ def whole_vocab_gemm(w, lcfg: ops.LinearConfig) -> bool:
   ~0.6 ms at 8B, H200) and runs one persistent kernel instead of ~16 one-wave launches. V must be whole 128-blocks
   (the kernel's N), else the chunked path runs: the same bits either way. Elsewhere (XLA:CPU, whose blocking
   follows N) the chunked GEMMs run."""
-  if w.shape[0] % quant.BLOCK:
-    return False
-  if isinstance(w, (quant.QWeight, quant.FP8Weight)):
-    return ops.resolve_backend(lcfg.backend) == "pallas"
-  return ops.resolve_bf16_backend(lcfg.backend) == "pallas"
+  return w.shape[0] % quant.BLOCK == 0 and ops.linear_backend(w, lcfg.backend) == "pallas"
 
 
 def logits_and_lse(w, h_NxD, lcfg: ops.LinearConfig = ops.LinearConfig(), temperature: float = 1.0):
