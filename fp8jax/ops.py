@@ -312,20 +312,49 @@ def _sharded(local, role: str, pl: _Placement | None, out_dtype):
 # ------------------------------------------------------------------------------------------------------------------
 
 
+def _act_gemm(x_MxK, b_q, b_s, out_dtype, cfg: LinearConfig, b_scales_kernel=None):
+  """Q(x)[1x128] . B^T (B's tile scales ``b_s``) on the resolved backend. On "pallas" the quantizer kernel writes
+  x's scales in the layout the GEMM kernel reads, and ``b_scales_kernel`` (``QWeight.kernel_scale``) spares the
+  GEMM's wrapper its layout op: the same values, so the same bits as ``quantize_act`` then ``fp8_gemm``."""
+  if resolve_backend(cfg.backend) == "pallas":
+    xq, xs_KbxM = _pallas_quant().quantize_act(x_MxK, cfg.pow2_scales, scales_t=True)
+    return _pallas_gemm()(xq, xs_KbxM, b_q, b_s, out_dtype=out_dtype, a_scales_t=True,
+                          b_scales_kernel=b_scales_kernel)
+  xq, xs = quant.quantize_act(x_MxK, cfg.pow2_scales)
+  return fp8_gemm_ref.fp8_gemm_reference(xq, xs, b_q, b_s, out_dtype=out_dtype)
+
+
+def with_kernel_scales(params, cfg: LinearConfig):
+  """``params`` with every 2-D ``QWeight``'s tile scales also laid out for the Hopper GEMM kernel
+  (``QWeight.kernel_scale``), for a loop that runs the same weights many times: the sampler's decode makes them
+  once per call instead of once per GEMM and step (XLA does not hoist that layout op, a 32x broadcast, out of a
+  while loop: ~130 launches per decode step at Llama-3.1-8B). As they are off the kernels and on a multi-device
+  mesh (the kernels then run per device on split weights). The same values: no bit changes."""
+  if resolve_backend(cfg.backend) != "pallas" or (cfg.mesh is not None and cfg.mesh.size > 1):
+    return params
+  from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415 (imports Mosaic GPU only where it runs)
+
+  def lay_out(w):
+    if isinstance(w, quant.QWeight) and w.q.ndim == 2 and w.kernel_scale is None:
+      return dataclasses.replace(w, kernel_scale=fp8_gemm_mgpu.kernel_b_scales(w.scale))
+    return w
+  return jax.tree.map(lay_out, params, is_leaf=quant.is_fp8_leaf)
+
+
 def _forward_q(x_MxK, qw: quant.QWeight, cfg: LinearConfig):
-  def local(out_dtype, x, q, scale):
-    xq, xs = quantize_act(quant.pad_k(x), cfg.pow2_scales, cfg.backend)
-    return fp8_gemm(xq, xs, quant.pad_k(q, -1), scale, jnp.dtype(out_dtype), cfg.backend)
   pl = _placement(cfg, x_MxK.shape[0], qw.q.shape[0], x_MxK.shape[1])
+  kernel_scale = qw.kernel_scale if pl is None else None  # per device, the weights are split: laid out per call
+
+  def local(out_dtype, x, q, scale):
+    return _act_gemm(quant.pad_k(x), quant.pad_k(q, -1), scale, jnp.dtype(out_dtype), cfg, kernel_scale)
   return _sharded(local, "fwd", pl, cfg.out_dtype)(x_MxK, qw.q, qw.scale)
 
 
 def _dgrad(dy_MxN, qw: quant.QWeight, k: int, dtype, cfg: LinearConfig):
   """dx = Q(dy)[1x128 over N] . Q(w)^T: B is w^T stored (K, N), i.e. K-major over N."""
   def local(out_dtype, dy, q, scale):
-    dyq, dys = quantize_act(quant.pad_k(dy), cfg.pow2_scales, cfg.backend)
     wt_KxN = quant.pad_k(quant.pad_k(q.T, -1), 0)  # transposing 128x128 tiles keeps them 128x128 tiles
-    return fp8_gemm(dyq, dys, wt_KxN, scale.T, jnp.dtype(out_dtype), cfg.backend)[:, :q.shape[1]]
+    return _act_gemm(quant.pad_k(dy), wt_KxN, scale.T, jnp.dtype(out_dtype), cfg)[:, :q.shape[1]]
   pl = _placement(cfg, dy_MxN.shape[0], dy_MxN.shape[1], k)
   return _sharded(local, "dgrad", pl, dtype)(dy_MxN, qw.q, qw.scale)
 

@@ -67,10 +67,14 @@ INV_E4M3_MAX = float(np.float32(1.0) / np.float32(E4M3_MAX))
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QWeight:
-  """A 128x128 block-quantized weight: E4M3 ``q_NxK`` and FP32 ``scale_NbxKb`` (dequant = q * scale)."""
+  """A 128x128 block-quantized weight: E4M3 ``q_NxK`` and FP32 ``scale_NbxKb`` (dequant = q * scale).
+
+  ``kernel_scale``: None, or ``scale`` as the Hopper GEMM kernel reads it, made once for a loop that runs the same
+  weight many times (``fp8jax.ops.with_kernel_scales``, the sampler's decode); the same values, so the same bits."""
 
   q: jax.Array
   scale: jax.Array
+  kernel_scale: jax.Array | None = None
 
   @property
   def shape(self):

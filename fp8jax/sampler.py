@@ -349,6 +349,7 @@ class Sampler:
   def _decode(self, params, state: _State, rq: _Requests, lay: PageLayout, sp: SamplingParams, steps: int, base_key):
     """Up to ``steps`` decode steps (fewer if every request is done), each starting with the slot refills."""
     c, max_new = self.cfg, sp.max_new_tokens
+    params = ops.with_kernel_scales(params, self.lcfg)  # the GEMM kernel's scale layout, once per call (same bits)
     stop_ids = jnp.asarray(sp.stop_token_ids or (-1,), jnp.int32)
     max_len = self.scfg.max_len  # the cache may hold more (whole attention blocks); sequences stop here
     n_req = rq.prompt_of_req.shape[0]

@@ -514,22 +514,44 @@ def _pad_rows(x, mp: int):
   return jnp.pad(x, ((0, mp - x.shape[0]), (0, 0))) if mp != x.shape[0] else x
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "num_sms"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "num_sms", "a_scales_t"))
 def fp8_gemm(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config: TuningConfig | None = None,
-             interpret: bool = False, num_sms: int | None = None):
-  """C = A . B^T with block-scaled E4M3 operands (layouts in the module docstring); returns (M, N) ``out_dtype``."""
-  _validate(a_q, a_s, b_q, b_s)
+             interpret: bool = False, num_sms: int | None = None, a_scales_t: bool = False, b_scales_kernel=None):
+  """C = A . B^T with block-scaled E4M3 operands (layouts in the module docstring); returns (M, N) ``out_dtype``.
+
+  The scales in the layouts the kernel reads, when the caller has them (same values, so the same bits; otherwise the
+  wrapper lays them out, two small XLA ops per call, which XLA does not hoist out of a loop):
+  ``a_scales_t``: ``a_s`` is (K/128, M) (``fp8_quant.quantize_act(scales_t=True)`` writes it);
+  ``b_scales_kernel``: ``kernel_b_scales(b_s)``, made once for weights that serve many calls (the sampler's decode
+  loop; ``fp8jax.ops.with_kernel_scales``); ``b_s`` is then only checked."""
+  a_s_MxKb = jax.ShapeDtypeStruct(a_s.shape[::-1], a_s.dtype) if a_scales_t else a_s
+  _validate(a_q, a_s_MxKb, b_q, b_s)
   out_dtype = _out_dtype(out_dtype, "fp8_gemm")
   (m, k), n = a_q.shape, b_q.shape[0]
   num_sms = num_sms or (4 if interpret else _num_sms())
   row_scales = b_s.shape[0] == n
   cfg, mp, grid = _resolve(config or choose_config(m, n, k, num_sms, row_scales), m, n, k, out_dtype, row_scales,
                            num_sms, interpret, a_q.dtype, "fp8_gemm")
-  as_KbxMp = _pad_rows(a_s, mp).astype(jnp.float32).T
-  bs = b_s.astype(jnp.float32).T if row_scales else _replicate(b_s.T)  # (Kb, N) | (Kb, 32 * Nb)
+  if a_scales_t:
+    as_KbxMp = jnp.pad(a_s.astype(jnp.float32), ((0, 0), (0, mp - m)))
+  else:
+    as_KbxMp = _pad_rows(a_s, mp).astype(jnp.float32).T
+  if b_scales_kernel is None:
+    bs = b_s.astype(jnp.float32).T if row_scales else kernel_b_scales(b_s)  # (Kb, N) | (Kb, 32 * Nb)
+  elif row_scales or b_scales_kernel.shape != (b_s.shape[1], _SCALE_REP * b_s.shape[0]):
+    raise ValueError(f"fp8_gemm: b_scales_kernel {tuple(b_scales_kernel.shape)} is not kernel_b_scales of the tile "
+                     f"scales {tuple(b_s.shape)}")
+  else:
+    bs = b_scales_kernel
   out = _launch(_pad_rows(a_q, mp), b_q, as_KbxMp, bs, cfg=cfg, row_scales=row_scales, mp=mp, n=n,
                 out_dtype=out_dtype, grid=grid, interpret=interpret, kernel_name="fp8jax_fp8_gemm")
   return out[:m] if mp != m else out
+
+
+def kernel_b_scales(b_s_NbxKb):
+  """B's 128x128 tile scales (N/128, K/128) in the layout the kernel reads: (K/128, 32 * N/128) FP32, transposed and
+  each scale 32 times (one 128-byte TMA box per 128-column block)."""
+  return _replicate(b_s_NbxKb.T)
 
 
 def _replicate(bs_KbxC):

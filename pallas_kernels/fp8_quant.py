@@ -47,8 +47,10 @@ def _quantize_rows(x, pow2: bool, native_cast: bool):
   return q, scale[:, None]
 
 
-def _act_kernel(x_ref, q_ref, s_ref, *, pow2: bool, native_cast: bool):
-  q_ref[...], s_ref[...] = _quantize_rows(x_ref[...], pow2, native_cast)
+def _act_kernel(x_ref, q_ref, s_ref, *, pow2: bool, native_cast: bool, scales_t: bool):
+  q, s = _quantize_rows(x_ref[...], pow2, native_cast)
+  q_ref[...] = q
+  s_ref[...] = s.reshape(s_ref.shape) if scales_t else s
 
 
 def _act_t_kernel(x_ref, q_ref, s_ref, *, pow2: bool, native_cast: bool):
@@ -62,11 +64,16 @@ def _check_2d(x, name: str):
     raise ValueError(f"{name}: M must be >= 1, got shape {tuple(x.shape)}")
 
 
-@functools.partial(jax.jit, static_argnames=("pow2", "block_m", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("pow2", "block_m", "num_warps", "interpret", "scales_t"))
 def quantize_act(x: jax.Array, pow2: bool = False, *, block_m: int = 64, num_warps: int = 4,
-                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-  """``x_...xK -> (q_...xK, scale_...xKb)``, bitwise equal to ``fp8jax.quant.quantize_act``."""
+                 interpret: bool = False, scales_t: bool = False) -> tuple[jax.Array, jax.Array]:
+  """``x_...xK -> (q_...xK, scale_...xKb)``, bitwise equal to ``fp8jax.quant.quantize_act``.
+
+  ``scales_t`` (2-D x only): the scales come transposed, (Kb, M), the layout the Hopper GEMM kernel reads
+  (``fp8_gemm_mgpu.fp8_gemm(a_scales_t=True)``), written so by the kernel: no transpose op after it."""
   *lead, k = x.shape
+  if scales_t and lead and len(lead) != 1:
+    raise ValueError(f"quantize_act(scales_t=True) takes a 2-D (tokens, features) array, got {tuple(x.shape)}")
   quant._check_multiple(k, f"activation contraction dim (shape {tuple(x.shape)}, last axis)")
   x2 = x.reshape(-1, k)
   _check_2d(x2, "quantize_act kernel")
@@ -74,15 +81,21 @@ def quantize_act(x: jax.Array, pow2: bool = False, *, block_m: int = 64, num_war
   bm = min(block_m, pl.next_power_of_2(m))
   xp = quant.pad_k(x2, 0, bm)
   mp, kb = xp.shape[0], k // BLOCK
+  if scales_t:
+    s_shape, s_spec = (kb, mp), pl.BlockSpec((1, bm), lambda i, j: (j, i))
+  else:
+    s_shape, s_spec = (mp, kb), pl.BlockSpec((bm, 1), lambda i, j: (i, j))
   q, s = pl.pallas_call(
-      functools.partial(_act_kernel, pow2=pow2, native_cast=not interpret),
-      out_shape=(jax.ShapeDtypeStruct((mp, k), quant.FP8_DTYPE), jax.ShapeDtypeStruct((mp, kb), jnp.float32)),
+      functools.partial(_act_kernel, pow2=pow2, native_cast=not interpret, scales_t=scales_t),
+      out_shape=(jax.ShapeDtypeStruct((mp, k), quant.FP8_DTYPE), jax.ShapeDtypeStruct(s_shape, jnp.float32)),
       grid=(mp // bm, kb),
       in_specs=[pl.BlockSpec((bm, BLOCK), lambda i, j: (i, j))],
-      out_specs=[pl.BlockSpec((bm, BLOCK), lambda i, j: (i, j)), pl.BlockSpec((bm, 1), lambda i, j: (i, j))],
+      out_specs=[pl.BlockSpec((bm, BLOCK), lambda i, j: (i, j)), s_spec],
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
   )(xp)
+  if scales_t:
+    return q[:m], s[:, :m]
   return q[:m].reshape(x.shape), s[:m].reshape(*lead, kb)
 
 

@@ -17,9 +17,16 @@ class _Quant:
   quantize_act_t = functools.partial(fp8_quant.quantize_act_t, interpret=True)
 
 
+def _gemm(a_q, a_s, b_q, b_s, *, out_dtype, a_scales_t: bool = False, b_scales_kernel=None):
+  """The Mosaic kernel's call (``a_scales_t``: A's scales come (K/128, M), as the quantizer kernel writes them for
+  it; ``b_scales_kernel``: B's scales laid out for it) on the Triton kernel, which takes the plain layouts."""
+  del b_scales_kernel  # the same values as b_s, laid out for the Mosaic kernel
+  return fp8_gemm_triton.fp8_gemm(a_q, a_s.T if a_scales_t else a_s, b_q, b_s, out_dtype=out_dtype, interpret=True)
+
+
 def install(bf16: bool = True) -> None:
   ops.resolve_backend = lambda requested: "pallas"
-  ops._pallas_gemm = lambda: functools.partial(fp8_gemm_triton.fp8_gemm, interpret=True)
+  ops._pallas_gemm = lambda: _gemm
   ops._pallas_quant = lambda: _Quant
   if bf16:
     ops.resolve_bf16_backend = lambda requested: "pallas"

@@ -104,6 +104,19 @@ def test_mgpu_interpret_rows_do_not_depend_on_m():
   np.testing.assert_array_equal(np.asarray(part), np.asarray(full[100:107]))
 
 
+def test_mgpu_interpret_scales_in_kernel_layout_bitwise():
+  """A's scales given transposed (``a_scales_t``, as the quantizer kernel writes them) and B's in the kernel's layout
+  (``kernel_b_scales``, as ``ops.with_kernel_scales`` makes them): the same result bit for bit; a B layout that does
+  not match the tile scales is refused."""
+  a_q, a_s, b_q, b_s = _operands(5, 70, 256, 384)
+  want = np.asarray(mgpu.fp8_gemm(a_q, a_s, b_q, b_s, out_dtype=jnp.float32, interpret=True))
+  got = mgpu.fp8_gemm(a_q, a_s.T, b_q, b_s, out_dtype=jnp.float32, interpret=True, a_scales_t=True,
+                      b_scales_kernel=mgpu.kernel_b_scales(b_s))
+  np.testing.assert_array_equal(np.asarray(got), want)
+  with pytest.raises(ValueError, match="b_scales_kernel"):
+    mgpu.fp8_gemm(a_q, a_s, b_q, b_s, out_dtype=jnp.float32, interpret=True, b_scales_kernel=b_s)
+
+
 @pytest.mark.parametrize("m,n,k,row_scales", [(7, 256, 384, False), (130, 256, 256, True)])
 def test_triton_interpret_matches_reference(m, n, k, row_scales):
   ops = _operands(m + n + k, m, n, k, row_scales)
@@ -279,6 +292,18 @@ def test_gpu_mgpu_batch_invariance_bitwise(row_scales, out_dtype):
   for cfg in _invariance_configs():  # 16 SMs: cross_tile configs get >= 2 tiles per CTA
     out = mgpu.fp8_gemm(a_q[:512], a_s[:512], b_q, b_s, out_dtype=out_dtype, config=cfg, num_sms=16)
     np.testing.assert_array_equal(np.asarray(out), full[:512], err_msg=f"config {cfg}")
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("m", [1, 256])
+def test_gpu_mgpu_scales_in_kernel_layout_bitwise(m):
+  """The decode path's operands (A's scales transposed, B's laid out beforehand): bitwise the plain call."""
+  k, n = LLAMA_8B_SHAPES["qkv"]
+  a_q, a_s, b_q, b_s = _operands(m + 3, m, n, k)
+  want = np.asarray(mgpu.fp8_gemm(a_q, a_s, b_q, b_s))
+  got = mgpu.fp8_gemm(a_q, a_s.T, b_q, b_s, a_scales_t=True, b_scales_kernel=mgpu.kernel_b_scales(b_s))
+  np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(np.float32))
 
 
 @pytest.mark.gpu

@@ -51,6 +51,17 @@ def _assert_bitwise(got, want):
 # ------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("m,k", [(1, 128), (37, 256), (130, 384)])
+def test_interpret_quantize_act_scales_t_bitwise(m, k):
+  """``scales_t``: the same codes, the scales written transposed (K/128, M) for the GEMM kernel."""
+  x = _activations(m * 7 + k, m, k, jnp.bfloat16)
+  q, s_t = fp8_quant.quantize_act(x, interpret=True, scales_t=True)
+  rq, rs = quant.quantize_act(x)
+  _assert_bitwise((q, s_t.T), (rq, rs))
+  with pytest.raises(ValueError, match="2-D"):
+    fp8_quant.quantize_act(x.reshape(1, m, k), interpret=True, scales_t=True)
+
+
 @pytest.mark.parametrize("m,k", [(1, 128), (37, 256), (64, 384), (130, 128)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32scale", "pow2scale"])
@@ -115,6 +126,8 @@ def test_gpu_kernels_bitwise_llama_shapes(m, k, pow2):
   x = _activations(m + k, m, k, jnp.bfloat16)
   _assert_bitwise(fp8_quant.quantize_act(x, pow2), jax.jit(quant.quantize_act, static_argnums=1)(x, pow2))
   _assert_bitwise(fp8_quant.quantize_act_t(x, pow2), jax.jit(quant.quantize_act_t, static_argnums=1)(x, pow2))
+  q, s_t = fp8_quant.quantize_act(x, pow2, scales_t=True)
+  _assert_bitwise((q, s_t.T), jax.jit(quant.quantize_act, static_argnums=1)(x, pow2))
 
 
 @pytest.mark.gpu
@@ -129,4 +142,9 @@ def test_gpu_linear_pallas_equals_xla_quantization():
   got = jax.jit(lambda x: ops.linear(x, qw, cfg))(x)
   xq, xs = quant.quantize_act(x)
   want = jax.jit(lambda: ops.fp8_gemm(xq, xs, qw.q, qw.scale, jnp.bfloat16, "pallas"))()
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  # the sampler's decode form: the weight's scales laid out for the kernel once (ops.with_kernel_scales)
+  laid = ops.with_kernel_scales({"w": qw}, cfg)["w"]
+  assert laid.kernel_scale is not None
+  got = jax.jit(lambda x, w: ops.linear(x, w, cfg))(x, laid)
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -173,6 +173,34 @@ def test_bf16_kernel_path_and_its_vjp_match_the_xla_path(bf16_kernel_interpreted
 
 
 @cpu_only
+def test_fp8_kernel_path_with_scales_laid_out_once(monkeypatch):
+  """The "pallas" FP8 forward (the Mosaic kernel and the quantizer kernel in interpret mode): the quantizer writes
+  A's scales transposed for the GEMM, and ``with_kernel_scales`` lays B's out once (the sampler's decode); both
+  give the plain path's bits, and the XLA path's result up to FP32 summation order. Off the kernels the params pass
+  through untouched."""
+  from pallas_kernels import fp8_gemm_mgpu, fp8_quant  # noqa: PLC0415
+  qw = quant.quantize_weight(rand(31, (256, 256), 0.05))
+  params = {"w": qw, "norm": jnp.ones((256,))}
+  assert ops.with_kernel_scales(params, ops.LinearConfig()) is params
+  x = rand(30, (70, 256), 1.0, jnp.bfloat16)
+  cfg = ops.LinearConfig(out_dtype="float32")
+  want = jax.jit(lambda x: ops.linear(x, qw, dataclasses.replace(cfg, backend="xla")))(x)
+
+  class Quant:
+    quantize_act = functools.partial(fp8_quant.quantize_act, interpret=True)
+
+  monkeypatch.setattr(ops, "resolve_backend", lambda requested: "pallas")
+  monkeypatch.setattr(ops, "_pallas_gemm", lambda: functools.partial(fp8_gemm_mgpu.fp8_gemm, interpret=True))
+  monkeypatch.setattr(ops, "_pallas_quant", lambda: Quant)
+  laid = ops.with_kernel_scales(params, cfg)
+  assert laid["norm"] is params["norm"] and laid["w"].kernel_scale.shape == (2, 64)
+  plain = jax.jit(lambda x, w: ops.linear(x, w, cfg))(x, qw)
+  np.testing.assert_array_equal(np.asarray(jax.jit(lambda x, w: ops.linear(x, w, cfg))(x, laid["w"])),
+                                np.asarray(plain))
+  assert rel(plain, want) <= 1e-6
+
+
+@cpu_only
 def test_bf16_backend_choice_is_visible_and_pallas_refuses_without_gpu():
   """BF16 mode follows fp8.gemm_backend through the same switch, listed as bf16:requested->chosen."""
   x, w = jnp.ones((2, 128)), jnp.ones((128, 128))
