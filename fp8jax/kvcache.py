@@ -149,6 +149,34 @@ def store(cache_BxSxHxD: jax.Array, new_BxTxHxD: jax.Array, scale, positions_BxT
                page_table)
 
 
+def store_layer(cache: KVCache, layer: int, k_new_BxTxHxD, v_new_BxTxHxD, positions_BxT, *, kernel: bool = False):
+  """``store`` of a GQA layer's K and V -> (k, v) of that layer. ``kernel`` (paged caches only): one Pallas launch
+  writes both (``pallas_kernels.kv_write``, bitwise the two scatters; the caller picks it where the attention
+  kernels run, ``fp8jax.model.gqa``); it reads the layer's FP8 scales from the cache's (L,) arrays, so no per-layer
+  op builds its operands."""
+  sk, sv = (cache.k_scale_L[layer], cache.v_scale_L[layer]) if cache.is_fp8 else (None, None)
+  pt = cache.page_table
+  if not kernel or pt is None:
+    return (store(cache.k[layer], k_new_BxTxHxD, sk, positions_BxT, pt),
+            store(cache.v[layer], v_new_BxTxHxD, sv, positions_BxT, pt))
+  from pallas_kernels import kv_write  # noqa: PLC0415 (imports the Pallas Triton backend only when asked for)
+  kp, vp = cache.k[layer], cache.v[layer]
+  page, offset = _page_offsets(kp, positions_BxT, pt)
+  h, d = k_new_BxTxHxD.shape[-2:]
+  scales = dict(k_scale_L=cache.k_scale_L, v_scale_L=cache.v_scale_L, layer=layer) if cache.is_fp8 else {}
+  return kv_write.paged_write(kp, vp, k_new_BxTxHxD.reshape(-1, h, d), v_new_BxTxHxD.reshape(-1, h, d),
+                              jnp.where(page < kp.shape[0], page, -1).reshape(-1), offset.reshape(-1), **scales)
+
+
+def _page_offsets(pool, positions_BxT, page_table):
+  """(page, offset) of each position in a paged cache; page = pool size (out of range) for a position outside the
+  table (negative, or past its last block)."""
+  p, nb = pool.shape[1], page_table.shape[1]
+  blk = positions_BxT // p
+  page = jnp.take_along_axis(page_table, jnp.clip(blk, 0, nb - 1), axis=1)
+  return jnp.where((positions_BxT >= 0) & (blk < nb), page, pool.shape[0]), positions_BxT % p
+
+
 def write(cache_BxSxHxD: jax.Array, new_BxTxHxD: jax.Array, positions_BxT: jax.Array, page_table=None) -> jax.Array:
   """Writes each row's new entries at their positions (positions >= max_len are dropped). Paged (``page_table``
   (B, Nb)): position p of row b goes to offset p % P of page page_table[b, p // P]."""
@@ -156,8 +184,5 @@ def write(cache_BxSxHxD: jax.Array, new_BxTxHxD: jax.Array, positions_BxT: jax.A
   if page_table is None:
     b_idx = jnp.arange(new_BxTxHxD.shape[0])[:, None]
     return cache_BxSxHxD.at[b_idx, positions_BxT].set(new, mode="drop")
-  p, nb = cache_BxSxHxD.shape[1], page_table.shape[1]
-  blk = positions_BxT // p
-  page = jnp.take_along_axis(page_table, jnp.clip(blk, 0, nb - 1), axis=1)
-  page = jnp.where((positions_BxT >= 0) & (blk < nb), page, cache_BxSxHxD.shape[0])  # out of range: dropped
-  return cache_BxSxHxD.at[page, positions_BxT % p].set(new, mode="drop")
+  page, offset = _page_offsets(cache_BxSxHxD, positions_BxT, page_table)
+  return cache_BxSxHxD.at[page, offset].set(new, mode="drop")

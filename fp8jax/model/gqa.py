@@ -17,6 +17,17 @@ def _amax(x):
   return jnp.max(jnp.abs(x.astype(jnp.float32)))
 
 
+def _write_kernel(cfg: ModelConfig, lcfg, q, pool, k, page_table) -> bool:
+  """Whether the paged cache write runs as one kernel (``pallas_kernels.kv_write``; bitwise the XLA scatters):
+  where the attention kernels run, on one device (a mesh keeps the scatters, which XLA partitions)."""
+  if page_table is None or (lcfg.mesh is not None and lcfg.mesh.size > 1):
+    return False
+  if attn.resolve_backend(cfg.attn_backend, q, pool) != "pallas":
+    return False
+  from pallas_kernels import kv_write  # noqa: PLC0415 (the Pallas Triton backend, only where it runs)
+  return kv_write.unsupported(pool, k) is None
+
+
 def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, layer: int, cache, kv_scales,
               own_positions: bool = False):
   """GQA attention (``fp8jax.attention.attend``). Returns (out, new cache layer (k, v) or None, (amax K, amax V)).
@@ -47,7 +58,8 @@ def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, la
   else:
     sk, sv = (cache.k_scale_L[layer], cache.v_scale_L[layer]) if cache.is_fp8 else (None, None)
     pt = cache.page_table
-    ck, cv = kvc.store(cache.k[layer], k, sk, positions_BxT, pt), kvc.store(cache.v[layer], v, sv, positions_BxT, pt)
+    ck, cv = kvc.store_layer(cache, layer, k, v, positions_BxT,
+                             kernel=_write_kernel(cfg, lcfg, q, cache.k[layer], k, pt))
     new_layer = (ck, cv)
     out = attn.attend(q, ck, cv, positions_BxT, k_scale=sk, v_scale=sv, backend=cfg.attn_backend, mesh=lcfg.mesh,
                       page_table=pt, shared_blocks=cache.shared_blocks)

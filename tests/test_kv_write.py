@@ -1,0 +1,122 @@
+"""The paged KV cache write kernel (pallas_kernels/kv_write.py) against its reference, ``fp8jax.kvcache.store``:
+the same pool contents bit for bit (BF16 and FP8 pools, decode and prefill rows, dropped positions, stale NaN pages
+left alone), in interpret mode on CPU, lowered for CUDA, and compiled on a GPU."""
+
+import fp8jax  # noqa: F401  (first: XLA flags)
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp8jax import attention as attn
+from fp8jax import kvcache as kvc
+from fp8jax import quant
+from pallas_kernels import kv_write
+
+PAGE, H, D = 16, 4, 64
+
+
+def _case(seed: int, b: int, t: int, fp8: bool, n_pages: int = 24, blocks: int = 4, layers: int = 3):
+  """A paged cache of ``layers`` pools of random pages (some NaN: stale), a page table of distinct pages, new K/V
+  rows and their positions (distinct within a row, as a sequence's are): in range, negative (a padding row) and
+  past the table's last block (both dropped)."""
+  rng = np.random.default_rng(seed)
+  shape = (n_pages, PAGE, H, D)
+  pools = []
+  for _ in range(2 * layers):
+    x = rng.standard_normal(shape).astype(np.float32) * 3
+    x[rng.integers(0, n_pages, 3)] = np.nan
+    pools.append(jnp.asarray(x).astype(quant.FP8_DTYPE if fp8 else jnp.bfloat16))
+  table = jnp.asarray(rng.permutation(n_pages)[:b * blocks].reshape(b, blocks), jnp.int32)
+  pos = np.stack([rng.permutation(blocks * PAGE)[:t] for _ in range(b)])
+  pos[0, 0], pos[-1, -1] = -1, blocks * PAGE + 3
+  # amax 40 with scales for amax ~8: values saturate at +-448, the small ones go subnormal
+  new = [jnp.asarray(rng.standard_normal((b, t, H, D)) * 10, jnp.bfloat16) for _ in range(2)]
+  scales = [jnp.asarray(rng.uniform(4, 12, layers) / 448, jnp.float32) for _ in range(2)] if fp8 else [None, None]
+  cache = kvc.KVCache(k=pools[:layers], v=pools[layers:], k_scale_L=scales[0], v_scale_L=scales[1],
+                      page_table=table)
+  if not fp8:
+    cache = dataclasses.replace(cache, k_scale_L=jnp.ones(layers), v_scale_L=jnp.ones(layers))
+  return cache, new, jnp.asarray(pos, jnp.int32)
+
+
+def _bits(x):
+  return np.asarray(x).view(np.uint8 if x.dtype.itemsize == 1 else np.uint16)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("b,t", [(6, 1), (3, 5)], ids=["decode", "prefill"])
+def test_kernel_interpret_equals_store_bitwise(fp8, b, t, monkeypatch):
+  """Every layer's pools (layer 1 reads its own scales from the (L,) arrays) are the two scatters'."""
+  monkeypatch.setattr(kv_write, "paged_write", functools.partial(kv_write.paged_write, interpret=True))
+  cache, (kn, vn), pos = _case(b * 7 + t, b, t, fp8)
+  for layer in range(len(cache.k)):
+    want = kvc.store_layer(cache, layer, kn, vn, pos)
+    got = kvc.store_layer(cache, layer, kn, vn, pos, kernel=True)
+    for g, w, old in zip(got, want, (cache.k[layer], cache.v[layer])):
+      np.testing.assert_array_equal(_bits(g), _bits(w))
+      assert not np.array_equal(_bits(g), _bits(old))  # something was written
+
+
+def test_kernel_path_in_a_jitted_loop_equals_scatters(monkeypatch):
+  """The kernel inside a jitted loop carrying the pools, as the sampler's decode runs it: every step's pools are
+  the two scatters'."""
+  monkeypatch.setattr(kv_write, "paged_write", functools.partial(kv_write.paged_write, interpret=True))
+  cache, _, _ = _case(3, 4, 1, True)
+  key = jax.random.key(0)
+
+  def loop(kernel):
+    def step(i, c):
+      new = jax.random.normal(jax.random.fold_in(key, i), (2, 4, 1, H, D), jnp.bfloat16) * 4
+      pos = jnp.full((4, 1), i, jnp.int32) + jnp.arange(4, dtype=jnp.int32)[:, None] * 9
+      k, v = kvc.store_layer(dataclasses.replace(cache, k=[cache.k[0], c[0]], v=[cache.v[0], c[1]]), 1, new[0],
+                             new[1], pos, kernel=kernel)
+      return k, v
+    return jax.jit(lambda k, v: jax.lax.fori_loop(0, 5, step, (k, v)))(cache.k[1], cache.v[1])
+
+  for g, w in zip(loop(True), loop(False)):
+    np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+def test_bad_operands_are_named():
+  cache, (kn, vn), pos = _case(1, 2, 1, True)
+  page, off = kvc._page_offsets(cache.k[0], pos, cache.page_table)
+  args = (cache.k[0], cache.v[0], kn[:, 0], vn[:, 0])
+  with pytest.raises(ValueError, match="FP8 pool needs k_scale_L"):
+    kv_write.paged_write(*args, page[:, 0], off[:, 0], interpret=True)
+  with pytest.raises(ValueError, match="holding layer 5"):
+    kv_write.paged_write(*args, page[:, 0], off[:, 0], cache.k_scale_L, cache.v_scale_L, layer=5, interpret=True)
+  with pytest.raises(ValueError, match="one page and offset per new row"):
+    kv_write.paged_write(*args, page[:1, 0], off[:1, 0], cache.k_scale_L, cache.v_scale_L, interpret=True)
+  assert "powers of two" in kv_write.unsupported(jnp.zeros((4, 16, 3, 64)), jnp.zeros((1, 3, 64)))
+
+
+def test_kernel_lowers_for_cuda():
+  S = jax.ShapeDtypeStruct
+  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=dev)
+  pool = S((2368, 128, 8, 128), quant.FP8_DTYPE)
+  new, idx, scales = S((256, 8, 128), jnp.bfloat16), S((256,), jnp.int32), S((32,), jnp.float32)
+  fn = functools.partial(kv_write.paged_write, layer=7)
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(fn).trace(pool, pool, new, new, idx, idx, scales, scales).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert "triton" in text and "fp8jax_kv_write" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not attn._gpu_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gpu_kernel_equals_store_bitwise(fp8):
+  """Compiled (native E4M3 cast): bitwise the XLA scatters, at a decode step's and a prefill's rows."""
+  for b, t in ((64, 1), (4, 33)):
+    cache, (kn, vn), pos = _case(b + t, b, t, fp8, n_pages=4 * b + 8)
+    for layer in (0, 2):
+      want = jax.jit(lambda c: kvc.store_layer(c, layer, kn, vn, pos))(cache)
+      got = jax.jit(lambda c: kvc.store_layer(c, layer, kn, vn, pos, kernel=True))(cache)
+      for g, w in zip(got, want):
+        np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"b={b} t={t} layer={layer}")
