@@ -30,6 +30,9 @@ E4M3 codes (the FP8 KV recipe) take FP16 dot operands: the codes are exact in FP
 rounded to FP16 (exact for BF16 Q in FP16's normal range), P rounds to FP16 (3 more bits than BF16 in [2^-14, 1]).
 Why: on the GPU, E4M3 -> FP16 is one conversion per pair, E4M3 -> BF16 goes through FP32; the FP8 decode tile is
 bound by that upcast, and FP16 operands run it 1.18x faster (docs/benchmarks.md, "FP16 operands").
+The GPU kernels evaluate exp2(s - m0) as 2**fma(q . k, qk_scale, -m0) with an approximate EX2 (flush to zero
+below 2**-126) (``pallas_kernels.attention_triton``; the GPU tests hold them to this reference within BF16
+rounding of the outputs and 1e-4 on the row lse); the reference stays the definition, and every caller of a backend runs the same code, which is what keeps its rows bitwise equal.
 Nothing depends on how many rows, heads, sequences or slots are computed together or on the key length S beyond
 the row's own blocks: no split over keys, no shape-dependent block size. So a decode row (one query over a slot's
 cache) and the training row at the same position (a sequence of queries over their own keys) run the same

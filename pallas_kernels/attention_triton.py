@@ -20,8 +20,14 @@ registers (one conversion per pair), or the same codes already held in float16 (
 FP16 operands (Q clipped and rounded to FP16, P rounded to FP16); the FP8 cache's scales are the two FP32 scalars
 ``qk_scale`` (into the scores) and ``v_scale`` (into the output).
 
+Two evaluation details (compiled kernels; interpret mode keeps jnp.exp2): the exponentials are the MUFU.EX2
+instruction alone (``ex2.approx.ftz.f32``, without libdevice's path for results below 2**-126, which cannot change an
+output), and the score scale is folded into the exponent, P = 2**fma(raw dot, qk_scale, -m0) with the row max taken
+over the raw dots and scaled once (the contract's value, as rounding is monotone; one rounding fewer in the
+exponent's argument). Every caller runs the same code, so decode rows stay bitwise the training rows.
+
 Backward (``attention_seq_bwd``, FlashAttention-2's recomputation, Dao 2023 sec. 3.2): the row statistic
-lse = m + log2(l) from the forward gives P = exp2(s - lse) per block again; delta = rowsum(dO * O) (an XLA
+lse = m + log2(l) from the forward gives P = 2**fma(raw dot, qk_scale, -lse) per block again; delta = rowsum(dO * O) (an XLA
 reduction); one kernel per key block accumulates dK, dV over the query tiles and the G heads that see it (no atomics,
 no per-head dK copies), another per query tile accumulates dQ over its key blocks.
 
@@ -104,19 +110,52 @@ def unsupported(q, k) -> str | None:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _update(carry, q, kb, vb, start, key, pos, last, qk_scale, *, masked: bool):
+# 2**x as the kernels compute it: the MUFU.EX2 instruction alone (``ex2.approx.ftz.f32``). Pallas lowers jnp.exp2 to
+# libdevice's exp2f, the same instruction wrapped in a path for results below 2**-126 (a compare and two multiplies
+# per element: 18% of the FP8 decode tile's instructions, Nsight Compute 2026-12-04). Such results flush to zero here;
+# they cannot change an output (P rounds to FP16, whose smallest value is 2**-24, and l >= 1 absorbs them), and
+# decode and training run this same code, so their rows stay bitwise equal.
+_EX2 = "ex2.approx.ftz.f32 $0, $1;"
+# 2**(s * c - t) with the product and the difference rounded once (fma.rn), as one instruction before the EX2.
+_FMA_EX2 = "{ .reg .f32 t; fma.rn.f32 t, $1, $2, $3; ex2.approx.ftz.f32 $0, t; }"
+
+
+def _asm(asm: str, *args):
+  f32 = jnp.float32
+  shape = jnp.broadcast_shapes(*(a.shape for a in args))
+  [y] = pltriton.elementwise_inline_asm(asm, args=[jnp.broadcast_to(a.astype(f32), shape) for a in args],
+                                        constraints="=f," + ",".join("f" * len(args)), pack=1,
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, f32)])
+  return y
+
+
+def _exp2(x, compiled: bool):
+  """2**x: the instruction above when ``compiled``; jnp.exp2 in interpret mode (CPU)."""
+  return _asm(_EX2, x) if compiled else jnp.exp2(x)
+
+
+def _exp2_scaled(s, c, t, compiled: bool):
+  """2**(s * c - t): one FMA then the EX2 when ``compiled``; interpret mode: the same formula in jnp."""
+  return _asm(_FMA_EX2, s, c, -t) if compiled else jnp.exp2(s * c - t)
+
+
+def _update(carry, q, kb, vb, start, key, pos, last, qk_scale, *, masked: bool, compiled: bool):
   """One key block of the contract's online softmax for a tile of rows (exact whether or not ``masked``, when
-  every key of the block is visible to every row: the masks then select nothing)."""
+  every key of the block is visible to every row: the masks then select nothing).
+
+  The scores' scale enters where the contract puts it, folded into the exponent's FMA: the row max is taken over
+  the raw dots and scaled once (the same value: rounding is monotone and qk_scale > 0), and P = 2**(raw * qk_scale
+  - m0) rounds the exponent's argument once instead of twice."""
   m, l, acc = carry
   if masked:  # keys past the tile's last row (stale cache rows, padding) enter only as zeros
     vb = jnp.where((key <= last)[:, None], vb, jnp.zeros((), vb.dtype))
-  s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * qk_scale
+  s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   if masked:
     s = jnp.where(key[None, :] <= pos[:, None], s, -jnp.inf)
-  m_new = jnp.maximum(m, jnp.max(s, axis=1))
+  m_new = jnp.maximum(m, jnp.max(s, axis=1) * qk_scale)
   m0 = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-  alpha = jnp.exp2(m - m0)
-  p = jnp.exp2(s - m0[:, None])
+  alpha = _exp2(m - m0, compiled)
+  p = _exp2_scaled(s, qk_scale, m0[:, None], compiled)
   l_new = l * alpha + jnp.sum(p, axis=1)
   acc_new = acc * alpha[:, None] + lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())),
                                                    preferred_element_type=jnp.float32)
@@ -150,13 +189,14 @@ def _load_block(k_ref, v_ref, b, pages, j, kvh, kv_dtype):
   return start, k_ref[page, :, kvh, :].astype(kv_dtype), v_ref[page, :, kvh, :].astype(kv_dtype)
 
 
-def _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, lo, hi, pos=None, last=None):
+def _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, lo, hi, pos=None, last=None, *,
+            compiled: bool):
   """Key blocks lo .. hi - 1 in order through ``_update``: unmasked (every key visible to every row), or masked by
   the rows' positions ``pos`` (the tile's last row at ``last``)."""
   def block(j, carry):
     start, kb, vb = _load_block(k_ref, v_ref, b, pages, j, kvh, kv_dtype)
     key = start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0)
-    return _update(carry, q, kb, vb, start, key, pos, last, qk_scale, masked=pos is not None)
+    return _update(carry, q, kb, vb, start, key, pos, last, qk_scale, masked=pos is not None, compiled=compiled)
 
   return lax.fori_loop(lo, hi, block, carry)
 
@@ -166,7 +206,8 @@ def _empty_state(bq, d):
   return jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32)
 
 
-def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_ref=None, resume=None):
+def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_ref=None, resume=None, *,
+                 compiled: bool):
   """(block_q, D) query rows at positions ``pos`` over key/value head ``kvh`` of sequence ``b`` ->
   (out (block_q, D) in q's dtype, lse (block_q,) FP32 log2 units; +inf for a row that sees no key).
 
@@ -189,8 +230,9 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_
   j0, carry = (0, _empty_state(bq, d)) if resume is None else resume
   if resume is not None:
     n_full = jnp.maximum(n_full, j0)
-  carry = _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, j0, n_full)
-  m, l, acc = _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, n_full, n_blocks, pos, last)
+  carry = _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, j0, n_full, compiled=compiled)
+  m, l, acc = _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, n_full, n_blocks, pos, last,
+                      compiled=compiled)
   seen = l > 0
   inv = jnp.where(seen, v_scale / jnp.where(seen, l, 1.0), 0.0)
   out = (acc * inv[:, None]).astype(out_dtype)
@@ -198,18 +240,19 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_
   return out, lse
 
 
-def _seq_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool):
+def _seq_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool,
+                    compiled: bool):
   pt_ref, (o_ref, lse_ref) = (rest[0], rest[1:]) if paged else (None, rest)
   b, h, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
   out, lse = _attend_tile(q_ref[b, rows, h, :], pos_ref[b, rows], k_ref, v_ref, b, lax.div(h, g), sc_ref[0],
-                          sc_ref[1], n_kb, pt_ref)
+                          sc_ref[1], n_kb, pt_ref, compiled=compiled)
   o_ref[b, rows, h, :] = out
   lse_ref[b, h, rows] = lse
 
 
 def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool,
-                      shared: bool):
+                      shared: bool, compiled: bool):
   pt_ref, rest = (rest[0], rest[1:]) if paged else (None, rest)
   (nb_ref, m_ref, l_ref, acc_ref, o_ref) = rest if shared else (None,) * 4 + rest
   b, kvh, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -226,7 +269,7 @@ def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb:
     row = b * q_ref.shape[1] + heads
     state = (m_ref[row], l_ref[row], acc_ref[row, :])
     resume = (j0, tuple(jnp.where(j0 > 0, x, e) for x, e in zip(state, _empty_state(bq, q.shape[1]))))
-  out, _ = _attend_tile(q, pos, k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb, pt_ref, resume)
+  out, _ = _attend_tile(q, pos, k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb, pt_ref, resume, compiled=compiled)
   # Masked store of the real rows; the padding rows' indices point past the last head (distinct, never written:
   # masked off on the GPU, dropped by interpret mode's scatter).
   dest = jnp.where(real, heads, o_ref.shape[1] + r)
@@ -235,7 +278,7 @@ def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb:
 
 
 def _prefix_kernel(q_ref, k_ref, v_ref, tiles_ref, nb_ref, sc_ref, pt_ref, m_ref, l_ref, acc_ref, *, g: int,
-                   bq: int, per_tile: int):
+                   bq: int, per_tile: int, compiled: bool):
   """One shared-prefix tile: the G heads of KV head ``kvh`` for up to ``per_tile`` sequences (``tiles_ref[t]``)
   whose first ``nb`` key blocks are the same pages, over those blocks (unmasked: every row sees them in full) ->
   each row's online-softmax state, FP32, at row b * H + h of m / l / acc."""
@@ -253,7 +296,7 @@ def _prefix_kernel(q_ref, k_ref, v_ref, tiles_ref, nb_ref, sc_ref, pt_ref, m_ref
     q, kv_dtype = _operands(jnp.where(real[:, None], q_ref[seq_c, heads, :], jnp.zeros((), q_ref.dtype)), k_ref.dtype)
     first = jnp.minimum(lead, n_seq - 1)
     m, l, acc = _blocks(_empty_state(bq, q.shape[1]), q, k_ref, v_ref, first, pt_ref[first, :], kvh, sc_ref[0],
-                        kv_dtype, 0, nb_ref[first])
+                        kv_dtype, 0, nb_ref[first], compiled=compiled)
     dest = jnp.where(real, seq_c * n_heads + heads, n_seq * n_heads + r)  # padding: out of range (see above)
     cols = lax.broadcasted_iota(jnp.int32, (1, acc.shape[1]), 1)
     pltriton.store(m_ref.at[dest], m, mask=real)
@@ -325,7 +368,7 @@ def attention_seq(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale,
   k, v, extra, n_kb = _keys(k_BxSxKxD, v_BxSxKxD, page_table_BxNb)
   tp = q.shape[1]
   out, lse = pl.pallas_call(
-      functools.partial(_seq_fwd_kernel, g=g, n_kb=n_kb, bq=config.block_q, paged=bool(extra)),
+      functools.partial(_seq_fwd_kernel, g=g, n_kb=n_kb, bq=config.block_q, paged=bool(extra), compiled=not interpret),
       out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, tp), jnp.float32)),
       grid=(b, h, tp // config.block_q),
       compiler_params=_params(config.num_warps, config.num_stages),
@@ -370,7 +413,8 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
     shapes = (jax.ShapeDtypeStruct((b * h,), f32), jax.ShapeDtypeStruct((b * h,), f32),
               jax.ShapeDtypeStruct((b * h, d), f32))
     prefix = pl.pallas_call(
-        functools.partial(_prefix_kernel, g=g, bq=bq, per_tile=per_tile), out_shape=shapes, grid=(b, n_kv),
+        functools.partial(_prefix_kernel, g=g, bq=bq, per_tile=per_tile, compiled=not interpret), out_shape=shapes,
+        grid=(b, n_kv),
         compiler_params=params, interpret=interpret, name="fp8jax_attention_decode_prefix")
     # Always launched: with no group of two or more (e.g. one sample per prompt) every tile is -1 and every program
     # returns at once, leaving the state unwritten, which the decode tiles never read then (they start at block 0
@@ -379,7 +423,8 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
     state = prefix(q_BxHxD, k, v, tiles, nb, scalars, *extra)
     extra = (*extra, nb, *state)
   return pl.pallas_call(
-      functools.partial(_heads_fwd_kernel, g=g, n_kb=n_kb, bq=bq, paged=page_table_BxNb is not None, shared=shared),
+      functools.partial(_heads_fwd_kernel, g=g, n_kb=n_kb, bq=bq, paged=page_table_BxNb is not None, shared=shared,
+                        compiled=not interpret),
       out_shape=jax.ShapeDtypeStruct(q_BxHxD.shape, q_BxHxD.dtype),
       grid=(b, n_kv, -(-g // bq)),
       compiler_params=params,
@@ -392,19 +437,20 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _probs_and_ds(qs, ks, vb, do, lse, delta, key, pos, qk_scale, v_scale):
+def _probs_and_ds(qs, ks, vb, do, lse, delta, key, pos, qk_scale, v_scale, compiled: bool):
   """P and dS (natural-log softmax gradient, before the score scale) of one (rows x keys) block, from the row lse.
 
-  ``qs``, ``ks``: the forward's score operands (FP16 for E4M3 codes, ``ks`` then read from the FP16 copy of K)."""
-  s = lax.dot_general(qs, ks, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * qk_scale
+  ``qs``, ``ks``: the forward's score operands (FP16 for E4M3 codes, ``ks`` then read from the FP16 copy of K).
+  P = 2**(raw * qk_scale - lse) as the forward forms it (``_exp2_scaled``)."""
+  s = lax.dot_general(qs, ks, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   vis = key[None, :] <= pos[:, None]
-  p = jnp.where(vis, jnp.exp2(s - lse[:, None]), 0.0)
+  p = jnp.where(vis, _exp2_scaled(s, qk_scale, lse[:, None], compiled), 0.0)
   dp = lax.dot_general(do, vb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * v_scale
   return p, p * (dp - delta[:, None])
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, pos_ref, sc_ref, ks_ref, dq_ref, *, g, n_kb, bq, bkv,
-               codes):
+               codes, compiled):
   b, h, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   kvh = lax.div(h, g)
   rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
@@ -420,7 +466,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, pos_ref, sc_ref,
     ks = ks_ref[b, pl.ds(start, bkv), kvh, :] if codes else kb  # codes: K's FP16 copy (loaded, not converted)
     vb = v_ref[b, pl.ds(start, bkv), kvh, :]
     key = start + lax.broadcasted_iota(jnp.int32, (bkv,), 0)
-    _, ds = _probs_and_ds(qs, ks, vb, do, lse, delta, key, pos, qk_scale, v_scale)
+    _, ds = _probs_and_ds(qs, ks, vb, do, lse, delta, key, pos, qk_scale, v_scale, compiled)
     return dq + lax.dot_general(ds.astype(kb.dtype), kb, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
   dq = lax.fori_loop(0, n, body, jnp.zeros(q.shape, jnp.float32))
@@ -428,7 +474,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, pos_ref, sc_ref,
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, pos_ref, sc_ref, ks_ref, dk_ref, dv_ref, *, g, n_qt,
-                bq, bkv, causal_rows: bool, codes: bool):
+                bq, bkv, causal_rows: bool, codes: bool, compiled: bool):
   b, kvh, ki = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   start = pl.multiple_of(ki * bkv, bkv)
   keys = pl.ds(start, bkv)
@@ -447,7 +493,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, pos_ref, sc_ref
       rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
       q, do, pos = q_ref[b, rows, h, :], do_ref[b, rows, h, :], pos_ref[b, rows]
       p, ds = _probs_and_ds(_fp16(q) if codes else q, ks, vb, do, lse_ref[b, h, rows], delta_ref[b, h, rows], key,
-                            pos, qk_scale, v_scale)
+                            pos, qk_scale, v_scale, compiled)
       dv = dv + lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
       dk = dk + lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
       return dk, dv
@@ -489,13 +535,13 @@ def attention_seq_bwd(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_sc
   params = _params(cfg.bwd_num_warps, cfg.bwd_num_stages)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, g=g, n_kb=sp // BLOCK_KV, bq=cfg.bwd_block_q, bkv=cfg.bwd_block_kv,
-                        codes=kv_codes),
+                        codes=kv_codes, compiled=not interpret),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b, h, tp // cfg.bwd_block_q),
       compiler_params=params, interpret=interpret, name="fp8jax_attention_dq",
   )(*args)
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, g=g, n_qt=tp // cfg.bwd_block_q, bq=cfg.bwd_block_q, bkv=cfg.bwd_block_kv,
-                        causal_rows=causal_rows, codes=kv_codes),
+                        causal_rows=causal_rows, codes=kv_codes, compiled=not interpret),
       out_shape=(jax.ShapeDtypeStruct(k.shape, q.dtype),) * 2, grid=(b, k.shape[2], sp // cfg.bwd_block_kv),
       compiler_params=params, interpret=interpret, name="fp8jax_attention_dkv",
   )(*args)
