@@ -154,18 +154,18 @@ def store_layer(cache: KVCache, layer: int, k_new_BxTxHxD, v_new_BxTxHxD, positi
   writes both (``pallas_kernels.kv_write``, bitwise the two scatters; the caller picks it where the attention
   kernels run, ``fp8jax.model.gqa``); it reads the layer's FP8 scales from the cache's (L,) arrays, so no per-layer
   op builds its operands."""
-  sk, sv = (cache.k_scale_L[layer], cache.v_scale_L[layer]) if cache.is_fp8 else (None, None)
-  pt = cache.page_table
+  pt, fp8 = cache.page_table, cache.is_fp8
   if not kernel or pt is None:
+    sk, sv = (cache.k_scale_L[layer], cache.v_scale_L[layer]) if fp8 else (None, None)
     return (store(cache.k[layer], k_new_BxTxHxD, sk, positions_BxT, pt),
             store(cache.v[layer], v_new_BxTxHxD, sv, positions_BxT, pt))
   from pallas_kernels import kv_write  # noqa: PLC0415 (imports the Pallas Triton backend only when asked for)
   kp, vp = cache.k[layer], cache.v[layer]
-  page, offset = _page_offsets(kp, positions_BxT, pt)
+  page, offset = _page_offsets(kp, positions_BxT, pt)  # out of range: page = pool size, dropped by the kernel too
   h, d = k_new_BxTxHxD.shape[-2:]
-  scales = dict(k_scale_L=cache.k_scale_L, v_scale_L=cache.v_scale_L, layer=layer) if cache.is_fp8 else {}
+  scales = dict(k_scale_L=cache.k_scale_L, v_scale_L=cache.v_scale_L, layer=layer) if fp8 else {}
   return kv_write.paged_write(kp, vp, k_new_BxTxHxD.reshape(-1, h, d), v_new_BxTxHxD.reshape(-1, h, d),
-                              jnp.where(page < kp.shape[0], page, -1).reshape(-1), offset.reshape(-1), **scales)
+                              page.reshape(-1), offset.reshape(-1), **scales)
 
 
 def _page_offsets(pool, positions_BxT, page_table):

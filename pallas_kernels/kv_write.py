@@ -4,7 +4,7 @@ Reference: ``fp8jax.kvcache.store`` (an XLA scatter per cache, with the FP8 cach
 kernel writes the same entries: row i of the new K/V (one token's (heads, head_dim) values) goes to offset
 ``offset[i]`` of page ``page[i]`` of the pool, quantized by the quantizer's own ``quantize_kv`` math for an FP8 pool
 (``quant.to_e4m3``, native cast when compiled, exact FP32 rounding in interpret mode: the same bits); rows with a
-negative page are dropped. The pools are aliased to the outputs (``input_output_aliases``), so inside the sampler's
+page outside the pool are dropped. The pools are aliased to the outputs (``input_output_aliases``), so inside the sampler's
 jitted decode loop the cache is updated in place.
 
 Why a kernel (measured on the H200, docs/benchmarks.md): at Llama-3.1-8B shapes a decode step ran the write as two
@@ -39,7 +39,7 @@ def _kernel(page_ref, off_ref, *refs, layer: int, fp8: bool, native_cast: bool):
   i = pl.program_id(0)
   page, off = page_ref[i], off_ref[i]
 
-  @pl.when(page >= 0)
+  @pl.when((page >= 0) & (page < k_ref.shape[0]))
   def _():
     for new_ref, out_ref, s_ref in ((kn_ref, k_ref, sk_ref), (vn_ref, v_ref, sv_ref)):
       x = new_ref[i]
@@ -51,7 +51,8 @@ def _kernel(page_ref, off_ref, *refs, layer: int, fp8: bool, native_cast: bool):
 @functools.partial(jax.jit, static_argnames=("layer", "interpret"))
 def paged_write(k_pool, v_pool, k_new_NxHxD, v_new_NxHxD, page_N, offset_N, k_scale_L=None, v_scale_L=None, *,
                 layer: int = 0, interpret: bool = False):
-  """-> (k_pool, v_pool) with row i of the new K/V at offset_N[i] of page page_N[i] (page < 0: dropped).
+  """-> (k_pool, v_pool) with row i of the new K/V at offset_N[i] of page page_N[i] (a page outside the pool:
+  dropped, as the scatter's mode="drop" does).
 
   Pools (pages, P, H, D), BF16 or float8_e4m3fn; for FP8, ``k_scale_L`` / ``v_scale_L`` are the cache's per-layer
   FP32 scales (L,) and ``layer`` this pool's layer (the arrays are read as they are: no op per layer builds the
