@@ -15,6 +15,9 @@ import pytest
 from fp8jax import attention as attn
 from fp8jax import kvcache as kvc
 from fp8jax import quant
+from fp8jax import sampler as smp
+from fp8jax.model import gqa, llama
+from fp8jax.model.config import ModelConfig
 from pallas_kernels import kv_write
 
 PAGE, H, D = 16, 4, 64
@@ -80,6 +83,34 @@ def test_kernel_path_in_a_jitted_loop_equals_scatters(monkeypatch):
 
   for g, w in zip(loop(True), loop(False)):
     np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+def test_sampler_with_the_write_kernel_equals_scatters(monkeypatch):
+  """The sampler with the write kernel (interpret mode; ``gqa`` picks it as on a GPU): prefill, the jitted decode
+  loop and its refills (6 requests on 3 slots), FP8 KV cache: the scatter path's tokens and log-probs exactly."""
+  cfg = ModelConfig(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256)
+  params = smp.prepare_params(llama.init_params(cfg, seed=1, std=0.1), quant.Recipe())
+  scfg = smp.SamplerConfig(slots=3, max_len=48, kv_cache="fp8", decode_chunk=4)
+  prompts = [[1, 2, 3], list(range(5, 25)), [7] * 9]
+  sp = smp.SamplingParams(temperature=1.0, max_new_tokens=10, seed=3)
+  scales = (jnp.asarray([0.02, 0.03]), jnp.asarray([0.025, 0.015]))
+  want = smp.Sampler(cfg, scfg).generate(params, prompts, sp, n=2, kv_scales=scales)
+  calls, kernel = [], kv_write.paged_write
+
+  def interpreted(*args, **kwargs):
+    calls.append(1)
+    return kernel(*args, interpret=True, **kwargs)
+
+  monkeypatch.setattr(kv_write, "paged_write", interpreted)
+  monkeypatch.setattr(gqa, "_write_kernel", lambda cfg, lcfg, q, pool, k, page_table: page_table is not None)
+  # another decode_chunk: new programs (jit caches key on the sampler's configs); results do not depend on it
+  got = smp.Sampler(cfg, dataclasses.replace(scfg, decode_chunk=5)).generate(params, prompts, sp, n=2,
+                                                                             kv_scales=scales)
+  assert calls  # the kernel path was traced
+  assert want.stats["decode_steps"] > 10  # refills happened inside the loop
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.logprobs, want.logprobs)
+  np.testing.assert_array_equal(got.lengths, want.lengths)
 
 
 def test_bad_operands_are_named():
