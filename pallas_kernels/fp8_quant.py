@@ -72,7 +72,7 @@ def quantize_act(x: jax.Array, pow2: bool = False, *, block_m: int = 64, num_war
   ``scales_t`` (2-D x only): the scales come transposed, (Kb, M), the layout the Hopper GEMM kernel reads
   (``fp8_gemm_mgpu.fp8_gemm(a_scales_t=True)``), written so by the kernel: no transpose op after it."""
   *lead, k = x.shape
-  if scales_t and lead and len(lead) != 1:
+  if scales_t and x.ndim != 2:
     raise ValueError(f"quantize_act(scales_t=True) takes a 2-D (tokens, features) array, got {tuple(x.shape)}")
   quant._check_multiple(k, f"activation contraction dim (shape {tuple(x.shape)}, last axis)")
   x2 = x.reshape(-1, k)
