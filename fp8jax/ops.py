@@ -245,7 +245,7 @@ def _placement(cfg: LinearConfig, m: int, n: int, k: int, backend: str | None = 
   wgrad contracts over tokens: per-device partial dW, summed (``psum``) over the row axes, like any data-parallel
   gradient. ``backend`` is the caller's resolved backend (default: the FP8 GEMMs').
   """
-  if cfg.mesh is None or cfg.mesh.size == 1 or (backend or resolve_backend(cfg.backend)) != "pallas":
+  if not sharding.multi_device(cfg.mesh) or (backend or resolve_backend(cfg.backend)) != "pallas":
     return None
   rows = sharding.split_batch_axes(cfg.mesh, m)
   tp = sharding.tensor_axis(cfg.mesh) if cfg.parallel else None
@@ -330,7 +330,7 @@ def with_kernel_scales(params, cfg: LinearConfig):
   once per call instead of once per GEMM and step (XLA does not hoist that layout op, a 32x broadcast, out of a
   while loop: ~130 launches per decode step at Llama-3.1-8B). As they are off the kernels and on a multi-device
   mesh (the kernels then run per device on split weights). The same values: no bit changes."""
-  if resolve_backend(cfg.backend) != "pallas" or (cfg.mesh is not None and cfg.mesh.size > 1):
+  if resolve_backend(cfg.backend) != "pallas" or sharding.multi_device(cfg.mesh):
     return params
   from pallas_kernels import fp8_gemm_mgpu  # noqa: PLC0415 (imports Mosaic GPU only where it runs)
 

@@ -88,10 +88,16 @@ def expert_axis_size(mesh: Mesh | None) -> int:
   return 1 if mesh is None else int(mesh.shape.get("expert", 1))
 
 
+def multi_device(mesh: Mesh | None) -> bool:
+  """Whether ``mesh`` spans more than one device (where opaque kernels need ``shard_map`` and layouts that hold whole
+  arrays stop being per-device ones)."""
+  return mesh is not None and mesh.size > 1
+
+
 def split_batch_axes(mesh: Mesh | None, m: int) -> tuple[str, ...] | None:
   """The batch axes of ``mesh`` that split an (m, ...) array's first dim across devices, or None (no mesh, one
   device, no batch axis larger than 1, or m not divisible): where opaque kernels run per device (``shard_map``)."""
-  if mesh is None or mesh.size == 1:
+  if not multi_device(mesh):
     return None
   axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
   if not axes or m % math.prod(mesh.shape[a] for a in axes):

@@ -32,7 +32,8 @@ Why: on the GPU, E4M3 -> FP16 is one conversion per pair, E4M3 -> BF16 goes thro
 bound by that upcast, and FP16 operands run it 1.18x faster (docs/benchmarks.md, "FP16 operands").
 The GPU kernels evaluate exp2(s - m0) as 2**fma(q . k, qk_scale, -m0) with an approximate EX2 (flush to zero
 below 2**-126) (``pallas_kernels.attention_triton``; the GPU tests hold them to this reference within BF16
-rounding of the outputs and 1e-4 on the row lse); the reference stays the definition, and every caller of a backend runs the same code, which is what keeps its rows bitwise equal.
+rounding of the outputs and 1e-4 on the row lse); the reference stays the definition, and every caller of a
+backend runs the same code, which is what keeps its rows bitwise equal.
 Nothing depends on how many rows, heads, sequences or slots are computed together or on the key length S beyond
 the row's own blocks: no split over keys, no shape-dependent block size. So a decode row (one query over a slot's
 cache) and the training row at the same position (a sequence of queries over their own keys) run the same

@@ -27,9 +27,9 @@ over the raw dots and scaled once (the contract's value, as rounding is monotone
 exponent's argument). Every caller runs the same code, so decode rows stay bitwise the training rows.
 
 Backward (``attention_seq_bwd``, FlashAttention-2's recomputation, Dao 2023 sec. 3.2): the row statistic
-lse = m + log2(l) from the forward gives P = 2**fma(raw dot, qk_scale, -lse) per block again; delta = rowsum(dO * O) (an XLA
-reduction); one kernel per key block accumulates dK, dV over the query tiles and the G heads that see it (no atomics,
-no per-head dK copies), another per query tile accumulates dQ over its key blocks.
+lse = m + log2(l) from the forward gives P = 2**fma(raw dot, qk_scale, -lse) per block again; delta =
+rowsum(dO * O) (an XLA reduction); one kernel per key block accumulates dK, dV over the query tiles and the G heads
+that see it (no atomics, no per-head dK copies), another per query tile accumulates dQ over its key blocks.
 
 Why the Triton backend of Pallas: one kernel body must serve three callers bit for bit, run in interpret mode on CPU
 (so CI checks this exact body against the reference) and read FP8 or BF16 keys; Triton lowers the dynamic,

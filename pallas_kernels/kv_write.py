@@ -4,8 +4,8 @@ Reference: ``fp8jax.kvcache.store`` (an XLA scatter per cache, with the FP8 cach
 kernel writes the same entries: row i of the new K/V (one token's (heads, head_dim) values) goes to offset
 ``offset[i]`` of page ``page[i]`` of the pool, quantized by the quantizer's own ``quantize_kv`` math for an FP8 pool
 (``quant.to_e4m3``, native cast when compiled, exact FP32 rounding in interpret mode: the same bits); rows with a
-page outside the pool are dropped. The pools are aliased to the outputs (``input_output_aliases``), so inside the sampler's
-jitted decode loop the cache is updated in place.
+page outside the pool are dropped. The pools are aliased to the outputs (``input_output_aliases``), so inside the
+sampler's jitted decode loop the cache is updated in place.
 
 Why a kernel (measured on the H200, docs/benchmarks.md): at Llama-3.1-8B shapes a decode step ran the write as two
 XLA scatter fusions per layer (K and V) of ~6 us each, 64 launches and ~0.42 ms per step; this is one launch per

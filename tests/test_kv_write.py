@@ -39,11 +39,10 @@ def _case(seed: int, b: int, t: int, fp8: bool, n_pages: int = 24, blocks: int =
   pos[0, 0], pos[-1, -1] = -1, blocks * PAGE + 3
   # amax 40 with scales for amax ~8: values saturate at +-448, the small ones go subnormal
   new = [jnp.asarray(rng.standard_normal((b, t, H, D)) * 10, jnp.bfloat16) for _ in range(2)]
-  scales = [jnp.asarray(rng.uniform(4, 12, layers) / 448, jnp.float32) for _ in range(2)] if fp8 else [None, None]
+  # a BF16 cache holds ones, as kvcache.init_cache makes them
+  scales = [jnp.asarray(rng.uniform(4, 12, layers) / 448 if fp8 else np.ones(layers), jnp.float32) for _ in range(2)]
   cache = kvc.KVCache(k=pools[:layers], v=pools[layers:], k_scale_L=scales[0], v_scale_L=scales[1],
                       page_table=table)
-  if not fp8:
-    cache = dataclasses.replace(cache, k_scale_L=jnp.ones(layers), v_scale_L=jnp.ones(layers))
   return cache, new, jnp.asarray(pos, jnp.int32)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from fp8jax import ops, quant
+from fp8jax import ops, quant, sharding
 from fp8jax.model.schema import PARALLEL
 
 GROUPS = (("wq", "wk", "wv"), ("w_gate", "w_up"), ("shared_gate", "shared_up"))
@@ -34,7 +34,7 @@ def fused_key(names) -> str:
 
 def fusable(ws, lcfg: ops.LinearConfig) -> bool:
   """Whether the weights ``ws`` (one group, in order) may run as one GEMM with the same bits (module docstring)."""
-  if lcfg.mesh is not None and lcfg.mesh.size > 1:
+  if sharding.multi_device(lcfg.mesh):
     return False
   kind = type(ws[0])
   if any(type(w) is not kind for w in ws) or len({w.shape[1] for w in ws}) != 1:

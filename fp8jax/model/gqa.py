@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from fp8jax import attention as attn
 from fp8jax import kvcache as kvc
-from fp8jax import ops
+from fp8jax import ops, sharding
 from fp8jax.model import fuse
 from fp8jax.model.config import ModelConfig
 from fp8jax.model.layers import apply_rope, rms_norm
@@ -20,7 +20,7 @@ def _amax(x):
 def _write_kernel(cfg: ModelConfig, lcfg, q, pool, k, page_table) -> bool:
   """Whether the paged cache write runs as one kernel (``pallas_kernels.kv_write``; bitwise the XLA scatters):
   where the attention kernels run, on one device (a mesh keeps the scatters, which XLA partitions)."""
-  if page_table is None or (lcfg.mesh is not None and lcfg.mesh.size > 1):
+  if page_table is None or sharding.multi_device(lcfg.mesh):
     return False
   if attn.resolve_backend(cfg.attn_backend, q, pool) != "pallas":
     return False

@@ -31,7 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp8jax import ops
+from fp8jax import ops, sharding
 from fp8jax.model.config import ModelConfig
 from fp8jax.model.mlp import mlp
 from pallas_kernels import grouped_gemm as grouped_ref
@@ -146,7 +146,7 @@ def swiglu_tiles(p, xs_PxD, tile_expert_T, lcfg: ops.LinearConfig):
 def expert_rows(p, x_MxD, experts_Mxk, cfg: ModelConfig, lcfg: ops.LinearConfig):
   """Each assignment's expert output -> (M * k, D) in x's dtype, row a = token a // k, slot a % k. On a multi-device
   mesh the experts run per device, split over its ``expert`` axis (``moe_parallel``: the same rows bit for bit)."""
-  if lcfg.mesh is not None and lcfg.mesh.size > 1:
+  if sharding.multi_device(lcfg.mesh):
     from fp8jax.model import moe_parallel  # noqa: PLC0415  (it imports this module)
     return moe_parallel.expert_rows(p, x_MxD, experts_Mxk, cfg, lcfg)
   return local_expert_rows(p, x_MxD, experts_Mxk, cfg.n_experts, lcfg)
