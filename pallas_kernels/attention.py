@@ -92,20 +92,6 @@ def check_operands(q, k, v, q_pos, page_table=None, block_kv: int | None = None)
     raise ValueError(f"attention: k and v must have one dtype, got k {k.dtype} and v {v.dtype}")
 
 
-def pair_order(x):
-  """A K/V row's head dims in pair order (the FP8 cache's layout): position 2i holds dim i, 2i + 1 holds dim
-  i + D/2, so that each 16-bit pair holds one value of each head-dim half (``attention_triton._load_block`` says
-  why). A permutation of the last axis: exact, and ``natural_order`` undoes it."""
-  *lead, d = x.shape
-  return jnp.swapaxes(x.reshape(*lead, 2, d // 2), -1, -2).reshape(x.shape)
-
-
-def natural_order(x):
-  """The inverse of ``pair_order``."""
-  *lead, d = x.shape
-  return jnp.swapaxes(x.reshape(*lead, d // 2, 2), -1, -2).reshape(x.shape)
-
-
 def pad_keys(x_BxSxKxD, block: int):
   """Zero-pads the key axis to a multiple of ``block`` (padding keys are never visible: index > every position)."""
   s = x_BxSxKxD.shape[1]

@@ -72,10 +72,7 @@ class TuningConfig:
   block_q: int = 128
   num_warps: int = 8
   num_stages: int = 3
-  decode_block_q: int = 16
-  decode_block_q_natural_fp8: int = 64
-  prefix_block_q: int = 64
-  prefix_num_warps: int = 4
+  decode_block_q: int = 64
   decode_num_warps: int = 4
   decode_num_stages: int = 2  # FP8 K/V (the conversion in registers competes with a deeper ring: 3 stages slower)
   decode_num_stages_bf16: int = 3
@@ -88,10 +85,10 @@ class TuningConfig:
     for name in ("bwd_block_q", "bwd_block_kv"):
       if getattr(self, name) not in (16, 32, 64, 128):
         raise ValueError(f"TuningConfig.{name} must be 16, 32, 64 or 128 (divide {BLOCK_KV}), got {self}")
-    for name in ("block_q", "decode_block_q", "decode_block_q_natural_fp8", "prefix_block_q"):
+    for name in ("block_q", "decode_block_q"):
       if getattr(self, name) not in (16, 32, 64, 128):
         raise ValueError(f"TuningConfig.{name} must be 16, 32, 64 or 128 (divide {BLOCK_KV}), got {self}")
-    for name in ("num_warps", "decode_num_warps", "prefix_num_warps", "bwd_num_warps"):
+    for name in ("num_warps", "decode_num_warps", "bwd_num_warps"):
       if getattr(self, name) not in (1, 2, 4, 8):
         raise ValueError(f"TuningConfig.{name} must be 1, 2, 4 or 8, got {getattr(self, name)}")
 
@@ -151,8 +148,8 @@ def _update(carry, q, kb, vb, start, key, pos, last, qk_scale, *, masked: bool, 
   - m0) rounds the exponent's argument once instead of twice."""
   m, l, acc = carry
   if masked:  # keys past the tile's last row (stale cache rows, padding) enter only as zeros
-    vb = tuple(jnp.where((key <= last)[:, None], x, jnp.zeros((), x.dtype)) for x in vb)
-  s = _dot_t(q[0], kb[0]) + _dot_t(q[1], kb[1])  # the two head-dim halves (see _load_block)
+    vb = jnp.where((key <= last)[:, None], vb, jnp.zeros((), vb.dtype))
+  s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   if masked:
     s = jnp.where(key[None, :] <= pos[:, None], s, -jnp.inf)
   m_new = jnp.maximum(m, jnp.max(s, axis=1) * qk_scale)
@@ -160,18 +157,12 @@ def _update(carry, q, kb, vb, start, key, pos, last, qk_scale, *, masked: bool, 
   alpha = _exp2(m - m0, compiled)
   p = _exp2_scaled(s, qk_scale, m0[:, None], compiled)
   l_new = l * alpha + jnp.sum(p, axis=1)
-  p = p.astype(vb[0].dtype)
-  acc_new = tuple(a * alpha[:, None] + lax.dot_general(p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-                  for a, v in zip(acc, vb))
+  acc_new = acc * alpha[:, None] + lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())),
+                                                   preferred_element_type=jnp.float32)
   if not masked:
     return m_new, l_new, acc_new
   active = start <= pos  # a row's state changes only in the blocks up to its own position
-  return (jnp.where(active, m_new, m), jnp.where(active, l_new, l),
-          tuple(jnp.where(active[:, None], a_new, a) for a_new, a in zip(acc_new, acc)))
-
-
-def _dot_t(a, b):
-  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  return (jnp.where(active, m_new, m), jnp.where(active, l_new, l), jnp.where(active[:, None], acc_new, acc))
 
 
 def _fp16(x):
@@ -180,41 +171,22 @@ def _fp16(x):
 
 
 def _operands(q, kv_dtype):
-  """(q as the dots take it, K/V block dtype): FP16 operands for E4M3 codes (float8_e4m3fn, float16, or uint16
-  carriers of pair-ordered codes), else q's. ``q``: one array or a tuple of the two head-dim halves."""
-  if jnp.dtype(kv_dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float16), jnp.dtype(jnp.uint16)):
-    return jax.tree.map(_fp16, q), jnp.float16
-  return q, jax.tree.leaves(q)[0].dtype
-
-
-def _unpack_carriers(c):
-  """uint16 carriers (n, D/2) of a pair-ordered FP8 row (byte 2i = code i, byte 2i + 1 = code i + D/2) -> the two
-  head-dim halves as FP16 (exact). Each half comes from its own 16-bit lanes, so the dots see FP16 operands loaded
-  16 bits at a time (kWidth 2, the layout of every other form); see ``_load_block``."""
-  f = lambda u: lax.bitcast_convert_type(u, jnp.float8_e4m3fn).astype(jnp.float16)  # noqa: E731
-  return f((c & 0xFF).astype(jnp.uint8)), f(lax.shift_right_logical(c, jnp.uint16(8)).astype(jnp.uint8))
+  """(q as the dots take it, K/V block dtype): FP16 operands for E4M3 codes (float8_e4m3fn or float16 K/V), else q's."""
+  if jnp.dtype(kv_dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float16)):
+    return _fp16(q), jnp.float16
+  return q, q.dtype
 
 
 def _load_block(k_ref, v_ref, b, pages, j, kvh, kv_dtype):
-  """Key block j of key/value head ``kvh``: (first key index, K halves, V halves) as the dots take them, each a pair
-  (head dims < D/2, head dims >= D/2). Dense refs read sequence ``b``; with ``pages`` (the sequence's page-table
-  row, loaded before the loop: no load the K/V addresses wait on) the refs are page pools and the block is page
-  ``pages[j]``.
-
-  Why halves: where the dots run as mma.sync (the decode tile's 16 rows), Triton lays out an operand converted from
-  an 8-bit load with four consecutive k values per thread (kWidth 4), which permutes k inside each 16-wide MMA step,
-  and the tensor core's sum inside a step depends on that order: decode rows over E4M3 codes then differ from the
-  training rows (measured, docs/benchmarks.md). The FP8 cache therefore holds its codes pair-ordered and is read as
-  uint16 carriers (``_unpack_carriers``), which gives each half 16-bit lanes; every other form reads its halves as
-  they are. The dots over halves are the contract's dots in every tile (training, prefill, decode)."""
+  """Key block j of key/value head ``kvh``: (first key index, K block, V block) as the dots take them. Dense refs
+  read sequence ``b``; with ``pages`` (the sequence's page-table row, loaded before the loop: no load the K/V
+  addresses wait on) the refs are page pools and the block is page ``pages[j]``."""
   start = pl.multiple_of(j * BLOCK_KV, BLOCK_KV)
-  idx = (b, pl.ds(start, BLOCK_KV)) if pages is None else (
-      jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, pages.shape, 0) == j, pages, 0)), slice(None))
-  if k_ref.dtype == jnp.uint16:
-    return start, _unpack_carriers(k_ref[(*idx, kvh, slice(None))]), _unpack_carriers(v_ref[(*idx, kvh, slice(None))])
-  h = k_ref.shape[-1] // 2
-  halves = lambda r: tuple(r[(*idx, kvh, pl.ds(o, h))].astype(kv_dtype) for o in (0, h))  # noqa: E731
-  return start, halves(k_ref), halves(v_ref)
+  if pages is None:
+    keys = pl.ds(start, BLOCK_KV)
+    return start, k_ref[b, keys, kvh, :].astype(kv_dtype), v_ref[b, keys, kvh, :].astype(kv_dtype)
+  page = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, pages.shape, 0) == j, pages, 0))
+  return start, k_ref[page, :, kvh, :].astype(kv_dtype), v_ref[page, :, kvh, :].astype(kv_dtype)
 
 
 def _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, lo, hi, pos=None, last=None, *,
@@ -230,24 +202,22 @@ def _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, lo, hi, p
 
 
 def _empty_state(bq, d):
-  """The online softmax's state before any key: (m, l, acc) = (-inf, 0, 0), acc as its two head-dim halves."""
-  z = jnp.zeros((bq, d // 2), jnp.float32)
-  return jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32), (z, z)
+  """The online softmax's state before any key: (m, l, acc) = (-inf, 0, 0)."""
+  return jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32)
 
 
 def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_ref=None, resume=None, *,
                  compiled: bool):
-  """Query rows at positions ``pos`` (``q``: their two head-dim halves, (block_q, D/2) each) over key/value head
-  ``kvh`` of sequence ``b`` -> (out halves (block_q, D/2) in q's dtype, lse (block_q,) FP32 log2 units; +inf for a
-  row that sees no key).
+  """(block_q, D) query rows at positions ``pos`` over key/value head ``kvh`` of sequence ``b`` ->
+  (out (block_q, D) in q's dtype, lse (block_q,) FP32 log2 units; +inf for a row that sees no key).
 
   ``pt_ref``: the paged form, k/v refs are page pools (N, BLOCK_KV, K, D) and key block j of sequence b is page
   ``pt_ref[b, j]`` (the same blocks in the same order: the same bits as the dense form).
   ``resume``: (j0, (m, l, acc)): the rows' state after their key blocks 0 .. j0 - 1, which a shared-prefix tile
   computed (``attention_heads(shared_blocks_B=)``); the tile goes on from block j0 (every row sees blocks < j0 in
   full). The state crosses HBM in FP32, exactly, so the rows end with the bits of one pass from block 0."""
-  bq, d = q[0].shape[0], 2 * q[0].shape[1]
-  out_dtype = q[0].dtype
+  bq, d = q.shape
+  out_dtype = q.dtype
   q, kv_dtype = _operands(q, k_ref.dtype)
   last = jnp.max(pos)
   big = jnp.int32(2**30)
@@ -265,7 +235,7 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_
                       compiled=compiled)
   seen = l > 0
   inv = jnp.where(seen, v_scale / jnp.where(seen, l, 1.0), 0.0)
-  out = tuple((a * inv[:, None]).astype(out_dtype) for a in acc)
+  out = (acc * inv[:, None]).astype(out_dtype)
   lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
   return out, lse
 
@@ -275,28 +245,10 @@ def _seq_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: i
   pt_ref, (o_ref, lse_ref) = (rest[0], rest[1:]) if paged else (None, rest)
   b, h, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
-  half = q_ref.shape[-1] // 2
-  q = tuple(q_ref[b, rows, h, pl.ds(o, half)] for o in (0, half))
-  out, lse = _attend_tile(q, pos_ref[b, rows], k_ref, v_ref, b, lax.div(h, g), sc_ref[0], sc_ref[1], n_kb, pt_ref,
-                          compiled=compiled)
-  for o, x in zip((0, half), out):
-    o_ref[b, rows, h, pl.ds(o, half)] = x
+  out, lse = _attend_tile(q_ref[b, rows, h, :], pos_ref[b, rows], k_ref, v_ref, b, lax.div(h, g), sc_ref[0],
+                          sc_ref[1], n_kb, pt_ref, compiled=compiled)
+  o_ref[b, rows, h, :] = out
   lse_ref[b, h, rows] = lse
-
-
-def _store_rows(ref, prefix: tuple, rows, real, halves):
-  """ref[*prefix, rows[i], :] = the row i of the two halves, for the real rows only (padding rows' indices point past the
-  last row: distinct, never written; masked off on the GPU, dropped by interpret mode's scatter)."""
-  h = halves[0].shape[1]
-  for o, x in zip((0, h), halves):
-    cols = o + lax.broadcasted_iota(jnp.int32, (1, h), 1)
-    pltriton.store(ref.at[(*prefix, rows[:, None], cols)], x, mask=jnp.broadcast_to(real[:, None], x.shape))
-
-
-def _query_halves(q_ref, idx, real):
-  """The two head-dim halves of the query rows q_ref[*idx, :], zeros for the padding rows (built in registers)."""
-  h = q_ref.shape[-1] // 2
-  return tuple(jnp.where(real[:, None], q_ref[(*idx, pl.ds(o, h))], jnp.zeros((), q_ref.dtype)) for o in (0, h))
 
 
 def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool,
@@ -309,17 +261,20 @@ def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb:
   r = ti * bq + lax.broadcasted_iota(jnp.int32, (bq,), 0)
   real = r < g
   heads = kvh * g + jnp.minimum(r, g - 1)  # padding rows load a real row (in bounds), then are zeroed
-  q = _query_halves(q_ref, (b, heads), real)
+  q = jnp.where(real[:, None], q_ref[b, heads, :], jnp.zeros((), q_ref.dtype))
   pos = jnp.where(real, pos_ref[b], -1)
   resume = None
   if shared:  # the state after the shared prefix blocks, from the prefix pass (none: start from block 0)
     j0 = nb_ref[b]
     row = b * q_ref.shape[1] + heads
-    h = q_ref.shape[-1] // 2
-    state = (m_ref[row], l_ref[row], tuple(acc_ref[row, pl.ds(o, h)] for o in (0, h)))
-    resume = (j0, jax.tree.map(lambda x, e: jnp.where(j0 > 0, x, e), state, _empty_state(bq, 2 * h)))
+    state = (m_ref[row], l_ref[row], acc_ref[row, :])
+    resume = (j0, tuple(jnp.where(j0 > 0, x, e) for x, e in zip(state, _empty_state(bq, q.shape[1]))))
   out, _ = _attend_tile(q, pos, k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb, pt_ref, resume, compiled=compiled)
-  _store_rows(o_ref, (b,), jnp.where(real, heads, o_ref.shape[1] + r), real, out)
+  # Masked store of the real rows; the padding rows' indices point past the last head (distinct, never written:
+  # masked off on the GPU, dropped by interpret mode's scatter).
+  dest = jnp.where(real, heads, o_ref.shape[1] + r)
+  cols = lax.broadcasted_iota(jnp.int32, (1, out.shape[1]), 1)
+  pltriton.store(o_ref.at[b, dest[:, None], cols], out, mask=jnp.broadcast_to(real[:, None], out.shape))
 
 
 def _prefix_kernel(q_ref, k_ref, v_ref, tiles_ref, nb_ref, sc_ref, pt_ref, m_ref, l_ref, acc_ref, *, g: int,
@@ -338,14 +293,15 @@ def _prefix_kernel(q_ref, k_ref, v_ref, tiles_ref, nb_ref, sc_ref, pt_ref, m_ref
   def _():
     seq_c = jnp.clip(seq, 0, n_seq - 1)
     heads = kvh * g + r % g
-    q, kv_dtype = _operands(_query_halves(q_ref, (seq_c, heads), real), k_ref.dtype)
+    q, kv_dtype = _operands(jnp.where(real[:, None], q_ref[seq_c, heads, :], jnp.zeros((), q_ref.dtype)), k_ref.dtype)
     first = jnp.minimum(lead, n_seq - 1)
-    m, l, acc = _blocks(_empty_state(bq, q_ref.shape[-1]), q, k_ref, v_ref, first, pt_ref[first, :], kvh, sc_ref[0],
+    m, l, acc = _blocks(_empty_state(bq, q.shape[1]), q, k_ref, v_ref, first, pt_ref[first, :], kvh, sc_ref[0],
                         kv_dtype, 0, nb_ref[first], compiled=compiled)
     dest = jnp.where(real, seq_c * n_heads + heads, n_seq * n_heads + r)  # padding: out of range (see above)
+    cols = lax.broadcasted_iota(jnp.int32, (1, acc.shape[1]), 1)
     pltriton.store(m_ref.at[dest], m, mask=real)
     pltriton.store(l_ref.at[dest], l, mask=real)
-    _store_rows(acc_ref, (), dest, real, acc)
+    pltriton.store(acc_ref.at[dest[:, None], cols], acc, mask=jnp.broadcast_to(real[:, None], acc.shape))
 
 
 def shared_prefix_tiles(page_table_BxNb, shared_blocks_B, per_tile: int):
@@ -398,20 +354,18 @@ def _keys(k, v, page_table):
   return k, v, (jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, width - nb))),), nb
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "pair_ordered"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def attention_seq(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, page_table_BxNb=None, *,
-                  config: TuningConfig = TuningConfig(), interpret: bool = False, pair_ordered: bool = False):
+                  config: TuningConfig = TuningConfig(), interpret: bool = False):
   """Rows = positions of one head (training, prefill) -> (out_BxTxHxD, lse_BxHxT FP32, log2 units).
 
-  ``page_table_BxNb``: k/v are page pools (N, BLOCK_KV, K, D) (the paged form of ``pallas_kernels.attention``).
-  ``pair_ordered``: k/v are float8_e4m3fn codes in pair order (``pallas_kernels.attention.pair_order``: the FP8
-  cache's layout), read as uint16 carriers."""
+  ``page_table_BxNb``: k/v are page pools (N, BLOCK_KV, K, D) (the paged form of ``pallas_kernels.attention``)."""
   check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, page_table_BxNb, BLOCK_KV)
   b, t, h, d = q_BxTxHxD.shape
   g = h // k_BxSxKxD.shape[2]
   q = _pad_rows(q_BxTxHxD, 1, BLOCK_KV)
   pos = _pad_rows(q_pos_BxT.astype(jnp.int32), 1, BLOCK_KV, -1)
-  k, v, extra, n_kb = _keys(*_kv_form(k_BxSxKxD, v_BxSxKxD, pair_ordered), page_table_BxNb)
+  k, v, extra, n_kb = _keys(k_BxSxKxD, v_BxSxKxD, page_table_BxNb)
   tp = q.shape[1]
   out, lse = pl.pallas_call(
       functools.partial(_seq_fwd_kernel, g=g, n_kb=n_kb, bq=config.block_q, paged=bool(extra), compiled=not interpret),
@@ -423,22 +377,9 @@ def attention_seq(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale,
   return out[:, :t], lse[:, :, :t]
 
 
-def _kv_form(k, v, pair_ordered: bool):
-  """K/V as the kernels read them: pair-ordered FP8 codes as uint16 carriers (a bitcast: byte pairs of each row,
-  ``_unpack_carriers``), anything else as it is."""
-  if not pair_ordered:
-    return k, v
-  if k.dtype != jnp.float8_e4m3fn or v.dtype != jnp.float8_e4m3fn:
-    raise ValueError(f"pair_ordered=True takes float8_e4m3fn codes, got k {k.dtype}, v {v.dtype}")
-  carriers = lambda x: lax.bitcast_convert_type(  # noqa: E731
-      lax.bitcast_convert_type(x, jnp.uint8).reshape(*x.shape[:-1], x.shape[-1] // 2, 2), jnp.uint16)
-  return carriers(k), carriers(v)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "pair_ordered"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, page_table_BxNb=None,
-                    shared_blocks_B=None, *, config: TuningConfig = TuningConfig(), interpret: bool = False,
-                    pair_ordered: bool = False):
+                    shared_blocks_B=None, *, config: TuningConfig = TuningConfig(), interpret: bool = False):
   """One query per sequence (decode): rows = the G heads of each key/value head -> out_BxHxD.
 
   ``page_table_BxNb``: k/v are page pools (N, BLOCK_KV, K, D) (the paged form of ``pallas_kernels.attention``).
@@ -446,18 +387,16 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
   every sequence of the same first page and count (the G samples of a prompt; each sees those blocks in full). A
   prefix pass then runs each group's shared blocks once, its sequences' rows together in one tile (up to
   decode_block_q / G sequences per tile: one read of the prefix pages, no padding rows), and the decode tiles go on
-  from the state it leaves. Same blocks, same order, same update per row: the same bits as without it.
-  ``pair_ordered``: as in ``attention_seq`` (the sampler's FP8 cache). E4M3 codes in natural order take the 64-row
-  tile (``TuningConfig.decode_block_q_natural_fp8``): a smaller one would not give the training rows' bits."""
+  from the state it leaves. Same blocks, same order, same update per row: the same bits as without it."""
   b, h, d = q_BxHxD.shape
   check_operands(q_BxHxD[:, None], k_BxSxKxD, v_BxSxKxD, q_pos_B[:, None], page_table_BxNb, BLOCK_KV)
   n_kv = k_BxSxKxD.shape[2]
   g = h // n_kv
-  fp8 = k_BxSxKxD.dtype == jnp.float8_e4m3fn
-  bq = config.decode_block_q_natural_fp8 if fp8 and not pair_ordered else config.decode_block_q
-  k, v, extra, n_kb = _keys(*_kv_form(k_BxSxKxD, v_BxSxKxD, pair_ordered), page_table_BxNb)
+  bq = config.decode_block_q
+  k, v, extra, n_kb = _keys(k_BxSxKxD, v_BxSxKxD, page_table_BxNb)
   scalars = _scalars(qk_scale, v_scale)
-  params = _params(config.decode_num_warps, config.decode_num_stages if fp8 else config.decode_num_stages_bf16)
+  params = _params(config.decode_num_warps, config.decode_num_stages if k.dtype == jnp.float8_e4m3fn
+                   else config.decode_num_stages_bf16)
   shared = shared_blocks_B is not None
   if shared:
     if page_table_BxNb is None:
@@ -465,20 +404,18 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
     if shared_blocks_B.shape != (b,):
       raise ValueError(f"attention_heads: shared_blocks_B must be ({b},) for q {q_BxHxD.shape}, got "
                        f"{shared_blocks_B.shape}")
-    pq = config.prefix_block_q
-    if g > pq:
+    if g > bq:
       raise ValueError(f"attention_heads: shared_blocks_B needs G = {g} query heads per key/value head <= "
-                       f"prefix_block_q = {pq} (one tile holds whole sequences)")
-    per_tile = pq // g
+                       f"decode_block_q = {bq} (one tile holds whole sequences)")
+    per_tile = bq // g
     tiles, nb = shared_prefix_tiles(page_table_BxNb, shared_blocks_B, per_tile)
     f32 = jnp.float32
     shapes = (jax.ShapeDtypeStruct((b * h,), f32), jax.ShapeDtypeStruct((b * h,), f32),
               jax.ShapeDtypeStruct((b * h, d), f32))
     prefix = pl.pallas_call(
-        functools.partial(_prefix_kernel, g=g, bq=pq, per_tile=per_tile, compiled=not interpret), out_shape=shapes,
+        functools.partial(_prefix_kernel, g=g, bq=bq, per_tile=per_tile, compiled=not interpret), out_shape=shapes,
         grid=(b, n_kv),
-        compiler_params=_params(config.prefix_num_warps, params.num_stages), interpret=interpret,
-        name="fp8jax_attention_decode_prefix")
+        compiler_params=params, interpret=interpret, name="fp8jax_attention_decode_prefix")
     # Always launched: with no group of two or more (e.g. one sample per prompt) every tile is -1 and every program
     # returns at once, leaving the state unwritten, which the decode tiles never read then (they start at block 0
     # where nb is 0 and select the empty state). Not a lax.cond: on the GPU a conditional copies its predicate to
