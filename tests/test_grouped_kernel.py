@@ -381,8 +381,15 @@ def test_interpret_wgrad_bitwise_reference_and_dense_per_group(sizes):
 
 
 def test_interpret_wgrad_random_operands_configs_and_traced_sizes():
-  """Random operands within the FP32 bound of the reference; every config the same bits; one compilation for any
-  group sizes (traced tile map)."""
+  """Random operands within the FP32 bound of the reference; every config within it of the default; one compilation
+  for any group sizes (traced tile map).
+
+  Configs and group sizes are compared within 1e-6 here, not bitwise: in interpret mode XLA:CPU compiles the kernel
+  body per tile shape and group map, and on some CPUs that code rounds differently (an AMD EPYC, family 25 model 1,
+  2026-12-04: 42 of 393,216 elements 1-3 FP32 ulps apart between the default and split "m" wg_n 64, 91 for another
+  group map vs the reference). Bits are asserted where they are promised: on exact operands
+  (test_interpret_wgrad_bitwise_reference_and_dense_per_group) and on the GPU
+  (test_gpu_wgrad_matches_reference_dense_and_configs)."""
   sizes, n, k = (3, 129, 0, 100), 384, 256
   a, a_s, b, b_s, tile_expert = _wgrad_operands(9, sizes, n, k)
   ref = grouped_gemm.grouped_wgrad_tiles(a, a_s, b, b_s, tile_expert, len(sizes))
@@ -390,7 +397,7 @@ def test_interpret_wgrad_random_operands_configs_and_traced_sizes():
   assert _rel_err(out, ref) <= 1e-6
   for cfg in (T("m", 64, 2), T("n", 32, 3), T("n", 64, 2)):
     got = mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=4, config=cfg, interpret=True)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(out), err_msg=str(cfg))
+    assert _rel_err(got, out) <= 1e-6, cfg
   bf16 = mgpu.grouped_fp8_wgrad_tiles(a, a_s, b, b_s, tile_expert, num_experts=4, out_dtype=jnp.bfloat16,
                                       interpret=True)
   assert bf16.dtype == jnp.bfloat16 and _rel_err(bf16, ref) <= 5e-3
@@ -399,8 +406,11 @@ def test_interpret_wgrad_random_operands_configs_and_traced_sizes():
   for other in ((p - 5, 0, 0, 0), (0, 0, 0, 0), (100, 100, 100, p - 305)):
     _, te = grouped_gemm.layout(jnp.asarray(other, jnp.int32), p - 5)
     te = te[: p // 128]  # the same P (tiles past it dropped: any sorted tile map is a valid input)
-    np.testing.assert_array_equal(np.asarray(f(a, a_s, b, b_s, te)), np.asarray(
-        grouped_gemm.grouped_wgrad_tiles(a, a_s, b, b_s, te, 4)), err_msg=str(other))
+    got, want = np.asarray(f(a, a_s, b, b_s, te)), np.asarray(grouped_gemm.grouped_wgrad_tiles(a, a_s, b, b_s, te, 4))
+    if want.any():
+      assert _rel_err(got, want) <= 1e-6, other
+    else:  # no token in any group: every dW is zero
+      np.testing.assert_array_equal(got, want, err_msg=str(other))
   assert f._cache_size() == 1
 
 
