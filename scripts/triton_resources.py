@@ -5,8 +5,9 @@
 Lowers the kernel's pallas_call for an abstract H200 (as tests/test_attention.py does), takes the Triton module that
 jax's Pallas Triton lowering builds, and compiles it with the pinned ``triton`` package (its own ptxas) for sm_90
 with the kernel's num_warps / num_stages. Prints, per Triton kernel of the call: registers per thread, spill stack,
-dynamic shared memory, how many 128-thread programs fit on one SM by registers and by shared memory, and the most
-frequent SASS opcodes (static count, not executed).
+dynamic shared memory, how many programs (of the kernel's warps) fit on one SM by registers and by shared memory
+(or that the kernel exceeds the per-block limit and cannot launch), and the most frequent SASS opcodes (static
+count, not executed).
 
 What it is for: the decode tile's speed follows its occupancy (docs/benchmarks.md, "Attention (issue 14)"), which a
 register or shared-memory change moves by a whole program per SM; this shows it before spending device time. XLA
@@ -63,7 +64,9 @@ def triton_modules(fn, *args):
 
 
 def compile_sm90(ir_text: str, num_warps: int, num_stages: int, sass_path: str | None = None) -> dict:
-  """Compiles Triton IR text for sm_90 -> {registers, stack, shared, programs_per_sm, top_opcodes, sass_lines}."""
+  """Compiles Triton IR text for sm_90 -> {registers, stack, shared (bytes), programs_by_registers,
+  programs_by_shared, fits_shared (within the per-block limit), top_opcodes, sass_instructions}; the SASS listing
+  goes to ``sass_path`` if given."""
   import triton  # noqa: PLC0415
   from triton.backends.compiler import GPUTarget  # noqa: PLC0415
 
@@ -130,7 +133,8 @@ def main():
     r = compile_sm90(text, warps, stages, sass)
     print(f"{name}: {warps} warps, {stages} stages | {r['registers']} registers, stack {r['stack']} B, "
           f"shared {r['shared']} B | programs per SM: {r['programs_by_registers']} by registers, "
-          f"{r['programs_by_shared']} by shared memory | {r['sass_instructions']} SASS instructions")
+          f"{r['programs_by_shared']} by shared memory | {r['sass_instructions']} SASS instructions"
+          + ("" if r["fits_shared"] else f" | OVER the {MAX_SHARED_PER_BLOCK} B per-block limit: cannot launch"))
     print("  top opcodes:", ", ".join(f"{op} {n}" for op, n in r["top_opcodes"]))
   return 0
 
