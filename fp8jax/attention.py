@@ -118,7 +118,8 @@ def _per_device(fn, mesh, q, k, n_batched: int, n_replicated: int = 2, paged: bo
 
 
 def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None, v_scale=None,
-           sm_scale: float | None = None, backend: str = "auto", mesh=None, page_table=None, shared_blocks=None):
+           sm_scale: float | None = None, backend: str = "auto", mesh=None, page_table=None, shared_blocks=None,
+           pair_ordered: bool = False):
   """Causal GQA attention -> out_BxTxHxD in q's dtype (contract: ``pallas_kernels.attention``).
 
   positions_BxT=None: the training form, queries and keys are the same T positions 0..T-1 (differentiable in q, k,
@@ -134,6 +135,9 @@ def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None,
   every row with the same first page and count, and its query sees them in full (the samples of one prompt): the
   kernels then read those pages once per group (``attention_triton.attention_heads``), with the same bits. The
   reference backend, prefill and G > the decode tile ignore it (nothing to gain; same numbers).
+  ``pair_ordered`` (cache forms): k/v are float8 codes whose head dims are in pair order
+  (``pallas_kernels.attention.pair_order``, the sampler's FP8 cache on a GPU): the kernels read them as they are,
+  the reference puts them back in natural order first (exact).
   """
   b, t, h, d = q_BxTxHxD.shape
   if page_table is not None and positions_BxT is None:
@@ -144,7 +148,11 @@ def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None,
   pos = _positions(q_BxTxHxD) if positions_BxT is None else positions_BxT.astype(jnp.int32)
   qk_scale, vs = _scales(d, k_scale, v_scale, sm_scale)
   codes = ref.is_codes(k_BxSxKxD, k_scale is not None)
+  if pair_ordered and positions_BxT is None:
+    raise ValueError("attend: pair_ordered is a cache form (pass positions_BxT)")
   if resolve_backend(backend, q_BxTxHxD, k_BxSxKxD) == "xla":
+    if pair_ordered:
+      k_BxSxKxD, v_BxSxKxD = ref.natural_order(k_BxSxKxD), ref.natural_order(v_BxSxKxD)
     return ref.attention_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, qk_scale, vs, page_table_BxNb=page_table,
                                    kv_codes=codes)[0]
   ref.check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, page_table, ref.BLOCK_KV)
@@ -156,12 +164,14 @@ def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None,
   if codes and k_BxSxKxD.dtype == q_BxTxHxD.dtype:  # codes held in BF16 over a cache: FP16 operands, as in the tile
     k_BxSxKxD, v_BxSxKxD = k_BxSxKxD.astype(jnp.float16), v_BxSxKxD.astype(jnp.float16)
   paged = page_table is not None
-  shared = paged and t == 1 and shared_blocks is not None and h // k_BxSxKxD.shape[2] <= cfg.decode_block_q
+  shared = paged and t == 1 and shared_blocks is not None and h // k_BxSxKxD.shape[2] <= cfg.prefix_block_q
+  po = pair_ordered
   if t == 1:
     fn = lambda q, k, v, p, qs, s, *pt: kern.attention_heads(q[:, 0], k, v, p[:, 0], qs, s, *pt,  # noqa: E731
-                                                            config=cfg)[:, None]
+                                                            config=cfg, pair_ordered=po)[:, None]
   else:
-    fn = lambda q, k, v, p, qs, s, *pt: kern.attention_seq(q, k, v, p, qs, s, *pt, config=cfg)[0]  # noqa: E731
+    fn = lambda q, k, v, p, qs, s, *pt: kern.attention_seq(q, k, v, p, qs, s, *pt, config=cfg,  # noqa: E731
+                                                          pair_ordered=po)[0]
   extra = ((page_table.astype(jnp.int32),) if paged else ()) + ((shared_blocks.astype(jnp.int32),) if shared else ())
   return _per_device(fn, mesh, q_BxTxHxD, k_BxSxKxD, 4, paged=paged, shared=shared)(
       q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, qk_scale, vs, *extra)

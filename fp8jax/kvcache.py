@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax import quant
-from pallas_kernels.attention import key_block
+from pallas_kernels.attention import key_block, pair_order
 
 
 @jax.tree_util.register_dataclass
@@ -51,6 +51,9 @@ class KVCache:
   # (B,) int32, paged decode: slot b's first shared_blocks[b] pages are its prompt's, shared with the prompt's other
   # samples (same first page, same count); attention then reads them once per group (``fp8jax.attention.attend``)
   shared_blocks: jax.Array | None = None
+  # FP8 GQA caches read by the attention kernels: each row's head dims in pair order (``pallas_kernels.attention.
+  # pair_order``; ``store_layer`` writes so, ``fp8jax.attention.attend(pair_ordered=)`` reads so). Static.
+  pair_ordered: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @property
   def is_fp8(self) -> bool:
@@ -80,11 +83,15 @@ def cache_bytes(n_layers: int, slots: int, max_len: int, n_kv_heads: int, head_d
 
 
 def init_pages(n_layers: int, n_pages: int, page_table, n_kv_heads: int, head_dim: int, *, fp8: bool,
-               k_scale_L=None, v_scale_L=None, dtype=jnp.bfloat16, values: bool = True) -> KVCache:
-  """A paged cache of ``n_pages`` zeroed pages of ``key_block()`` positions (``page_table`` (slots, Nb) names them)."""
+               k_scale_L=None, v_scale_L=None, dtype=jnp.bfloat16, values: bool = True,
+               pair_ordered: bool = False) -> KVCache:
+  """A paged cache of ``n_pages`` zeroed pages of ``key_block()`` positions (``page_table`` (slots, Nb) names them).
+  ``pair_ordered``: an FP8 K/V cache with head dims in pair order (``KVCache.pair_ordered``)."""
+  if pair_ordered and not (fp8 and values):
+    raise ValueError("init_pages: pair_ordered is for FP8 K/V caches (fp8=True, values=True)")
   c = init_cache(n_layers, n_pages, key_block(), n_kv_heads, head_dim, fp8=fp8, k_scale_L=k_scale_L,
                  v_scale_L=v_scale_L, dtype=dtype, values=values)
-  return dataclasses.replace(c, page_table=jnp.asarray(page_table, jnp.int32))
+  return dataclasses.replace(c, page_table=jnp.asarray(page_table, jnp.int32), pair_ordered=pair_ordered)
 
 
 def copy_pages(cache: KVCache, src_N, dst_N) -> KVCache:
@@ -155,6 +162,8 @@ def store_layer(cache: KVCache, layer: int, k_new_BxTxHxD, v_new_BxTxHxD, positi
   kernels run, ``fp8jax.model.gqa``); it reads the layer's FP8 scales from the cache's (L,) arrays, so no per-layer
   op builds its operands."""
   pt, fp8 = cache.page_table, cache.is_fp8
+  if cache.pair_ordered:  # a permutation of the new rows' head dims, before the (elementwise) quantization
+    k_new_BxTxHxD, v_new_BxTxHxD = pair_order(k_new_BxTxHxD), pair_order(v_new_BxTxHxD)
   if not kernel or pt is None:
     sk, sv = (cache.k_scale_L[layer], cache.v_scale_L[layer]) if fp8 else (None, None)
     return (store(cache.k[layer], k_new_BxTxHxD, sk, positions_BxT, pt),

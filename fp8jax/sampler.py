@@ -38,6 +38,7 @@ from jax import lax
 import numpy as np
 
 import fp8jax
+from fp8jax import attention as attn
 from fp8jax import kvcache as kvc
 from fp8jax import ops, quant
 from fp8jax.model import fuse, head, llama
@@ -310,10 +311,21 @@ class Sampler:
     ForwardAux: per-layer K/V amax). ``kv_cache``: the cache kind ("bf16" for the KV-scale calibration)."""
     heads, head_dim, values = self.cfg.kv_cache_layout  # GQA K and V, or MLA's latent
     cache = kvc.init_pages(self.cfg.n_layers, lay.n_pages, lay.prompt_table(), heads, head_dim,
-                           fp8=kv_cache == "fp8", k_scale_L=k_scale_L, v_scale_L=v_scale_L, values=values)
+                           fp8=kv_cache == "fp8", k_scale_L=k_scale_L, v_scale_L=v_scale_L, values=values,
+                           pair_ordered=self._pair_ordered(kv_cache))
     pos = jnp.broadcast_to(jnp.arange(tokens_PxT.shape[1], dtype=jnp.int32), tokens_PxT.shape)
     _, cache, aux = llama.forward(params, tokens_PxT, self.cfg, self.lcfg, positions_BxT=pos, cache=cache)
     return dataclasses.replace(cache, page_table=lay.own_table()), aux
+
+  def _pair_ordered(self, kv_cache: str) -> bool:
+    """An FP8 K/V cache is held in pair order where the attention kernels read it (``KVCache.pair_ordered``: the
+    layout that keeps their decode rows bitwise the trainer's); the reference reads natural order."""
+    heads, head_dim, values = self.cfg.kv_cache_layout
+    if kv_cache != "fp8" or not values:
+      return False
+    S = jax.ShapeDtypeStruct
+    q = S((1, 1, self.cfg.n_heads, head_dim), jnp.dtype(self.cfg.dtype))
+    return attn.resolve_backend(self.cfg.attn_backend, q, S((1, 1, heads, head_dim), jnp.float8_e4m3fn)) == "pallas"
 
   def _take(self, st: _State, rq: _Requests, lay: PageLayout, cap: int) -> _State:
     """Free slots take the next pending requests (at most ``cap``, lowest slots first): page table rows on the

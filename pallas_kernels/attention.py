@@ -31,14 +31,16 @@ rounded to FP16 (exact for BF16 Q in FP16's normal range), P rounds to FP16 (3 m
 Why: on the GPU, E4M3 -> FP16 is one conversion per pair, E4M3 -> BF16 goes through FP32; the FP8 decode tile is
 bound by that upcast, and FP16 operands run it 1.18x faster (docs/benchmarks.md, "FP16 operands").
 The GPU kernels evaluate exp2(s - m0) as 2**fma(q . k, qk_scale, -m0) with an approximate EX2 (flush to zero
-below 2**-126) (``pallas_kernels.attention_triton``; the GPU tests hold them to this reference within BF16
+below 2**-126), take sum_j in fixed point (each term rounded to a multiple of 2**-22, added as integers: exact, so
+in no particular order; within ~1e-6 of the FP32 sum) and, for E4M3 codes, q . k as the sum of two half-D dots
+(``pallas_kernels.attention_triton``; the GPU tests hold them to this reference within BF16
 rounding of the outputs and 1e-4 on the row lse); the reference stays the definition, and every caller of a
 backend runs the same code, which is what keeps its rows bitwise equal.
 Nothing depends on how many rows, heads, sequences or slots are computed together or on the key length S beyond
 the row's own blocks: no split over keys, no shape-dependent block size. So a decode row (one query over a slot's
 cache) and the training row at the same position (a sequence of queries over their own keys) run the same
 sequence of updates on the same numbers, and agree bit for bit wherever the backend computes each row with
-shape-independent instructions (the Pallas kernels by construction: one kernel body, 64 rows per warpgroup;
+shape-independent instructions (the Pallas kernels: one kernel body, tile-independent dots, an exact row sum;
 XLA:CPU: one fixed-shape body for every row, ``attention_reference``; tests/test_attention.py). Values at keys j > p enter only multiplied by 0; the V rows past a tile's
 last visible key are zeroed so that stale cache rows (even NaN) cannot leak into a row.
 """
@@ -90,6 +92,20 @@ def check_operands(q, k, v, q_pos, page_table=None, block_kv: int | None = None)
                        f"float16, got {x.dtype}")
   if k.dtype != v.dtype:
     raise ValueError(f"attention: k and v must have one dtype, got k {k.dtype} and v {v.dtype}")
+
+
+def pair_order(x):
+  """A K/V row's head dims in pair order (the FP8 cache's layout): position 2i holds dim i, 2i + 1 holds dim
+  i + D/2, so that each 16-bit pair holds one value of each head-dim half (``attention_triton._load_block`` says
+  why). A permutation of the last axis: exact, and ``natural_order`` undoes it."""
+  *lead, d = x.shape
+  return jnp.swapaxes(x.reshape(*lead, 2, d // 2), -1, -2).reshape(x.shape)
+
+
+def natural_order(x):
+  """The inverse of ``pair_order``."""
+  *lead, d = x.shape
+  return jnp.swapaxes(x.reshape(*lead, d // 2, 2), -1, -2).reshape(x.shape)
 
 
 def pad_keys(x_BxSxKxD, block: int):

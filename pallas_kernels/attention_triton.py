@@ -8,9 +8,12 @@ one key/value head in increasing order with the online-softmax update of the con
 * ``attention_heads``: rows are the G query heads of one key/value head at one position (decode: one new token per
   slot over the slot's cache), zero-padded to block_q rows in registers (read from and stored to the (B, H, D)
   layout directly, the padding rows masked); grid (B, K, ceil(G / block_q)).
-Both compile the same body, and every tile gives each warpgroup 64 whole rows (``TuningConfig``), so a decode row and
-the training row at the same position run the same instructions on the same numbers: bitwise equal (tested on the
-H200). A tile visits key
+Both compile the same body, and a row's result does not depend on the tile it sits in: the tensor-core dots give
+each element the same bits in every tile shape (wgmma tiles of 64 / 128 rows, mma.sync tiles of 16: measured by
+``scripts/check_tile_bits.py`` for 16-bit operands in their natural k order, which is why the FP8 cache is held in
+pair order, ``_load_block``), the row max is exact, and the row sum is exact integer arithmetic in fixed point
+(``_row_sum``). So a decode row in a 16-row tile and the training row at the same position in a 128-row tile are
+bitwise equal (tested on the H200 at every position of four sequences, tests/test_attention.py). A tile visits key
 blocks up to its last row's position only, so decode reads the filled part of each slot's cache (length aware),
 and causal training skips the blocks above the diagonal; no S x S (or T x T) tensor exists anywhere.
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -59,20 +63,22 @@ class TuningConfig:
   """Tile and launch settings of the forward (training / prefill: block_q, num_warps, num_stages; decode: decode_*)
   and of the backward.
 
-  Bits: a row's arithmetic is fixed by the warpgroup that owns it. Triton gives each warpgroup (4 warps) of a tile
-  64 whole rows, reduced over the 128 keys of a block inside the warpgroup, so any tile of 64 rows per warpgroup
-  (64 x 4 warps, 128 x 8 warps) computes a row with the same instructions; decode and training may then use
-  different tile heights and still agree bit for bit. That is a property of the compiler's layout, not of the
-  language, so it is tested on the GPU for the default config (tests/test_attention.py) and for every config of
-  ``bench_attention.py --sweep`` (docs/benchmarks.md lists which agree). block_q divides BLOCK_KV, so the rows of a training tile all end in the
-  same key block. The stages only pipeline loads (speed, not bits); the backward's blocks are free (it recomputes P
-  from the forward's row lse).
+  Bits: no setting here changes a row's result (module docstring: tile-independent dots, exact row max, fixed-point
+  row sum), except that E4M3 codes in natural order need a wgmma tile (``decode_block_q_natural_fp8``: an 8-bit
+  operand in a 16-row mma.sync tile is permuted in k, ``_load_block``). Tested on the GPU for the defaults
+  (tests/test_attention.py) and per config by ``bench_attention.py --sweep``. block_q divides BLOCK_KV, so the rows
+  of a training tile all end in the same key block. The stages only pipeline loads (speed, not bits); the
+  backward's blocks are free (it recomputes P from the forward's row lse). ``prefix_block_q``: the shared-prefix
+  pass's rows (prefix_block_q / G sequences per tile).
   """
 
   block_q: int = 128
   num_warps: int = 8
   num_stages: int = 3
-  decode_block_q: int = 64
+  decode_block_q: int = 16
+  decode_block_q_natural_fp8: int = 64
+  prefix_block_q: int = 64
+  prefix_num_warps: int = 4
   decode_num_warps: int = 4
   decode_num_stages: int = 2  # FP8 K/V (the conversion in registers competes with a deeper ring: 3 stages slower)
   decode_num_stages_bf16: int = 3
@@ -85,10 +91,10 @@ class TuningConfig:
     for name in ("bwd_block_q", "bwd_block_kv"):
       if getattr(self, name) not in (16, 32, 64, 128):
         raise ValueError(f"TuningConfig.{name} must be 16, 32, 64 or 128 (divide {BLOCK_KV}), got {self}")
-    for name in ("block_q", "decode_block_q"):
+    for name in ("block_q", "decode_block_q", "decode_block_q_natural_fp8", "prefix_block_q"):
       if getattr(self, name) not in (16, 32, 64, 128):
         raise ValueError(f"TuningConfig.{name} must be 16, 32, 64 or 128 (divide {BLOCK_KV}), got {self}")
-    for name in ("num_warps", "decode_num_warps", "bwd_num_warps"):
+    for name in ("num_warps", "decode_num_warps", "prefix_num_warps", "bwd_num_warps"):
       if getattr(self, name) not in (1, 2, 4, 8):
         raise ValueError(f"TuningConfig.{name} must be 1, 2, 4 or 8, got {getattr(self, name)}")
 
@@ -148,21 +154,54 @@ def _update(carry, q, kb, vb, start, key, pos, last, qk_scale, *, masked: bool, 
   - m0) rounds the exponent's argument once instead of twice."""
   m, l, acc = carry
   if masked:  # keys past the tile's last row (stale cache rows, padding) enter only as zeros
-    vb = jnp.where((key <= last)[:, None], vb, jnp.zeros((), vb.dtype))
-  s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    vb = tuple(jnp.where((key <= last)[:, None], x, jnp.zeros((), x.dtype)) for x in vb)
+  s = functools.reduce(jnp.add, (_dot_t(a, b) for a, b in zip(q, kb)))  # over the head-dim parts (_load_block)
   if masked:
     s = jnp.where(key[None, :] <= pos[:, None], s, -jnp.inf)
   m_new = jnp.maximum(m, jnp.max(s, axis=1) * qk_scale)
   m0 = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = _exp2(m - m0, compiled)
   p = _exp2_scaled(s, qk_scale, m0[:, None], compiled)
-  l_new = l * alpha + jnp.sum(p, axis=1)
-  acc_new = acc * alpha[:, None] + lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())),
-                                                   preferred_element_type=jnp.float32)
+  p_op = p.astype(vb[0].dtype)
+  l_new = l * alpha + _row_sum(p)
+  acc_new = tuple(a * alpha[:, None] + _dot(p_op, v) for a, v in zip(acc, vb))
   if not masked:
     return m_new, l_new, acc_new
   active = start <= pos  # a row's state changes only in the blocks up to its own position
-  return (jnp.where(active, m_new, m), jnp.where(active, l_new, l), jnp.where(active[:, None], acc_new, acc))
+  return (jnp.where(active, m_new, m), jnp.where(active, l_new, l),
+          tuple(jnp.where(active[:, None], a_new, a) for a_new, a in zip(acc_new, acc)))
+
+
+def _dot_t(a, b):
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot(a, b):
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+# The row sum in fixed point: p in [0, 1] plus 3.0 lands in [3, 4], where FP32's spacing is 2**-22, so the bits of
+# p + 3.0 minus those of 3.0 are round(p * 2**22) (exactly; p = 1 gives 4.0 = 3.0's bits + 2**22).
+_FIX_ORIGIN, _FIX_ORIGIN_BITS, _FIX_UNIT = 3.0, 0x40400000, 2.0**-22
+
+
+def _row_sum(p):
+  """sum_j p[:, j] for FP32 p in [0, 1] (rows, n; the block's max term is 1 up to one rounding): each term rounded
+  to a multiple of 2**-22, the terms added as integers, the sum converted back to FP32.
+
+  Why not jnp.sum: a float reduction adds a row's values in an order set by the tile's layout (a wgmma tile keeps
+  a row's keys in one warp; a 16-row mma.sync tile splits them over four warps and adds the warps' partial sums),
+  so the same row would round differently in a decode tile and a training tile. Integer addition is exact, so
+  every order gives the same bits: the row sum is layout-free by construction. (A dot with a ones block, also
+  layout-free on the tensor cores, cost the 128-row training tile 30% of its speed: docs/benchmarks.md.) The
+  integers are the bits of p + 3.0 summed with two's-complement wrap-around, minus n times 3.0's bits: exact, as the
+  true sum (<= n * 2**22 < 2**31 for n <= 256) fits. Accuracy: each term is within 2**-23 of p, so the block's sum is
+  within n * 2**-23 (rms ~sqrt(n / 12) * 2**-22: 8e-7 at 128) of the exact one, against a row's l >= 1 (its max's
+  term is 1): the FP32 sum's accuracy."""
+  n = p.shape[1]
+  bits = lax.bitcast_convert_type(p + jnp.float32(_FIX_ORIGIN), jnp.int32)
+  offset = (n * _FIX_ORIGIN_BITS + 2**31) % 2**32 - 2**31  # n * bits(3.0) in int32's wrap-around
+  return (jnp.sum(bits, axis=1) - jnp.int32(offset)).astype(jnp.float32) * jnp.float32(_FIX_UNIT)
 
 
 def _fp16(x):
@@ -170,23 +209,58 @@ def _fp16(x):
   return jnp.clip(x.astype(jnp.float32), -FP16_MAX, FP16_MAX).astype(jnp.float16)
 
 
+_CODE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float16), jnp.dtype(jnp.uint16))
+
+
+def _is_codes(kv_ref_dtype) -> bool:
+  """K/V refs of E4M3 codes: float8_e4m3fn, float16, or uint16 carriers of pair-ordered codes."""
+  return jnp.dtype(kv_ref_dtype) in _CODE_DTYPES
+
+
+def _parts(d: int, kv_ref_dtype) -> tuple[tuple[int, int], ...]:
+  """The head-dim parts (offset, width) the dots run over: the two halves for E4M3 codes (``_load_block`` says
+  why), the whole head dim for BF16 values. One choice per K/V form, the same in every tile."""
+  n = 2 if _is_codes(kv_ref_dtype) else 1
+  return tuple((i * d // n, d // n) for i in range(n))
+
+
 def _operands(q, kv_dtype):
-  """(q as the dots take it, K/V block dtype): FP16 operands for E4M3 codes (float8_e4m3fn or float16 K/V), else q's."""
-  if jnp.dtype(kv_dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float16)):
-    return _fp16(q), jnp.float16
-  return q, q.dtype
+  """(q as the dots take it, K/V block dtype): FP16 operands for E4M3 codes, else q's. ``q``: a tuple of the
+  head-dim parts (``_parts``)."""
+  if _is_codes(kv_dtype):
+    return jax.tree.map(_fp16, q), jnp.float16
+  return q, jax.tree.leaves(q)[0].dtype
+
+
+def _unpack_carriers(c):
+  """uint16 carriers (n, D/2) of a pair-ordered FP8 row (byte 2i = code i, byte 2i + 1 = code i + D/2) -> the two
+  head-dim halves as FP16 (exact). Each half comes from its own 16-bit lanes, so the dots see FP16 operands loaded
+  16 bits at a time (kWidth 2, the layout of every other form); see ``_load_block``."""
+  f = lambda u: lax.bitcast_convert_type(u, jnp.float8_e4m3fn).astype(jnp.float16)  # noqa: E731
+  return f((c & 0xFF).astype(jnp.uint8)), f(lax.shift_right_logical(c, jnp.uint16(8)).astype(jnp.uint8))
 
 
 def _load_block(k_ref, v_ref, b, pages, j, kvh, kv_dtype):
-  """Key block j of key/value head ``kvh``: (first key index, K block, V block) as the dots take them. Dense refs
-  read sequence ``b``; with ``pages`` (the sequence's page-table row, loaded before the loop: no load the K/V
-  addresses wait on) the refs are page pools and the block is page ``pages[j]``."""
+  """Key block j of key/value head ``kvh``: (first key index, K parts, V parts) as the dots take them, each a tuple
+  of the head-dim parts (``_parts``: the halves for codes, the whole head dim for BF16). Dense refs read sequence
+  ``b``; with ``pages`` (the sequence's page-table row, loaded before the loop: no load the K/V addresses wait on)
+  the refs are page pools and the block is page ``pages[j]``.
+
+  Why halves: where the dots run as mma.sync (the decode tile's 16 rows), Triton lays out an operand converted from
+  an 8-bit load with four consecutive k values per thread (kWidth 4), which permutes k inside each 16-wide MMA step,
+  and the tensor core's sum inside a step depends on that order: decode rows over E4M3 codes then differ from the
+  training rows (measured, docs/benchmarks.md). The FP8 cache therefore holds its codes pair-ordered and is read as
+  uint16 carriers (``_unpack_carriers``), which gives each half 16-bit lanes; the other code forms read their halves
+  as they are. The dots over halves are the codes' dots in every tile (training, prefill, decode). BF16 K/V need no
+  split (kWidth 2 already): one dot over the whole head dim, which keeps the 128-row training tile's registers."""
   start = pl.multiple_of(j * BLOCK_KV, BLOCK_KV)
-  if pages is None:
-    keys = pl.ds(start, BLOCK_KV)
-    return start, k_ref[b, keys, kvh, :].astype(kv_dtype), v_ref[b, keys, kvh, :].astype(kv_dtype)
-  page = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, pages.shape, 0) == j, pages, 0))
-  return start, k_ref[page, :, kvh, :].astype(kv_dtype), v_ref[page, :, kvh, :].astype(kv_dtype)
+  idx = (b, pl.ds(start, BLOCK_KV)) if pages is None else (
+      jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, pages.shape, 0) == j, pages, 0)), slice(None))
+  if k_ref.dtype == jnp.uint16:
+    return start, _unpack_carriers(k_ref[(*idx, kvh, slice(None))]), _unpack_carriers(v_ref[(*idx, kvh, slice(None))])
+  parts = lambda r: tuple(  # noqa: E731
+      r[(*idx, kvh, pl.ds(o, w))].astype(kv_dtype) for o, w in _parts(k_ref.shape[-1], k_ref.dtype))
+  return start, parts(k_ref), parts(v_ref)
 
 
 def _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, lo, hi, pos=None, last=None, *,
@@ -201,23 +275,26 @@ def _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, lo, hi, p
   return lax.fori_loop(lo, hi, block, carry)
 
 
-def _empty_state(bq, d):
-  """The online softmax's state before any key: (m, l, acc) = (-inf, 0, 0)."""
-  return jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32)
+def _empty_state(bq, parts):
+  """The online softmax's state before any key: (m, l, acc) = (-inf, 0, 0), acc as its head-dim ``parts``."""
+  return (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
+          tuple(jnp.zeros((bq, w), jnp.float32) for _, w in parts))
 
 
 def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_ref=None, resume=None, *,
                  compiled: bool):
-  """(block_q, D) query rows at positions ``pos`` over key/value head ``kvh`` of sequence ``b`` ->
-  (out (block_q, D) in q's dtype, lse (block_q,) FP32 log2 units; +inf for a row that sees no key).
+  """Query rows at positions ``pos`` (``q``: their head-dim parts, ``_parts``) over key/value head ``kvh`` of
+  sequence ``b`` -> (out parts in q's dtype, lse (block_q,) FP32 log2 units; +inf for a
+  row that sees no key).
 
   ``pt_ref``: the paged form, k/v refs are page pools (N, BLOCK_KV, K, D) and key block j of sequence b is page
   ``pt_ref[b, j]`` (the same blocks in the same order: the same bits as the dense form).
   ``resume``: (j0, (m, l, acc)): the rows' state after their key blocks 0 .. j0 - 1, which a shared-prefix tile
   computed (``attention_heads(shared_blocks_B=)``); the tile goes on from block j0 (every row sees blocks < j0 in
   full). The state crosses HBM in FP32, exactly, so the rows end with the bits of one pass from block 0."""
-  bq, d = q.shape
-  out_dtype = q.dtype
+  bq = q[0].shape[0]
+  out_dtype = q[0].dtype
+  parts = tuple(zip(itertools.accumulate((x.shape[1] for x in q), initial=0), (x.shape[1] for x in q)))
   q, kv_dtype = _operands(q, k_ref.dtype)
   last = jnp.max(pos)
   big = jnp.int32(2**30)
@@ -227,7 +304,7 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_
   # there that nothing reads (out is sliced off, the backward masks P by position).
   n_full = jnp.minimum(lax.div(jnp.minimum(first, last) + 1, BLOCK_KV), n_blocks)
   pages = None if pt_ref is None else pt_ref[b, :]  # this sequence's page table row (padded to a power of two)
-  j0, carry = (0, _empty_state(bq, d)) if resume is None else resume
+  j0, carry = (0, _empty_state(bq, parts)) if resume is None else resume
   if resume is not None:
     n_full = jnp.maximum(n_full, j0)
   carry = _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, j0, n_full, compiled=compiled)
@@ -235,7 +312,7 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_
                       compiled=compiled)
   seen = l > 0
   inv = jnp.where(seen, v_scale / jnp.where(seen, l, 1.0), 0.0)
-  out = (acc * inv[:, None]).astype(out_dtype)
+  out = tuple((a * inv[:, None]).astype(out_dtype) for a in acc)
   lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
   return out, lse
 
@@ -245,10 +322,27 @@ def _seq_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: i
   pt_ref, (o_ref, lse_ref) = (rest[0], rest[1:]) if paged else (None, rest)
   b, h, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = pl.ds(pl.multiple_of(ti * bq, bq), bq)
-  out, lse = _attend_tile(q_ref[b, rows, h, :], pos_ref[b, rows], k_ref, v_ref, b, lax.div(h, g), sc_ref[0],
-                          sc_ref[1], n_kb, pt_ref, compiled=compiled)
-  o_ref[b, rows, h, :] = out
+  parts = _parts(q_ref.shape[-1], k_ref.dtype)
+  q = tuple(q_ref[b, rows, h, pl.ds(o, w)] for o, w in parts)
+  out, lse = _attend_tile(q, pos_ref[b, rows], k_ref, v_ref, b, lax.div(h, g), sc_ref[0], sc_ref[1], n_kb, pt_ref,
+                          compiled=compiled)
+  for (o, w), x in zip(parts, out):
+    o_ref[b, rows, h, pl.ds(o, w)] = x
   lse_ref[b, h, rows] = lse
+
+
+def _store_rows(ref, prefix: tuple, rows, real, parts, values):
+  """ref[*prefix, rows[i], :] = the row i of the head-dim ``parts``' ``values``, for the real rows only (padding
+  rows' indices point past the last row: distinct, never written; masked off on the GPU, dropped by interpret mode's
+  scatter)."""
+  for (o, w), x in zip(parts, values):
+    cols = o + lax.broadcasted_iota(jnp.int32, (1, w), 1)
+    pltriton.store(ref.at[(*prefix, rows[:, None], cols)], x, mask=jnp.broadcast_to(real[:, None], x.shape))
+
+
+def _query_parts(q_ref, idx, real, parts):
+  """The head-dim parts of the query rows q_ref[*idx, :], zeros for the padding rows (built in registers)."""
+  return tuple(jnp.where(real[:, None], q_ref[(*idx, pl.ds(o, w))], jnp.zeros((), q_ref.dtype)) for o, w in parts)
 
 
 def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, paged: bool,
@@ -261,20 +355,17 @@ def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb:
   r = ti * bq + lax.broadcasted_iota(jnp.int32, (bq,), 0)
   real = r < g
   heads = kvh * g + jnp.minimum(r, g - 1)  # padding rows load a real row (in bounds), then are zeroed
-  q = jnp.where(real[:, None], q_ref[b, heads, :], jnp.zeros((), q_ref.dtype))
+  parts = _parts(q_ref.shape[-1], k_ref.dtype)
+  q = _query_parts(q_ref, (b, heads), real, parts)
   pos = jnp.where(real, pos_ref[b], -1)
   resume = None
   if shared:  # the state after the shared prefix blocks, from the prefix pass (none: start from block 0)
     j0 = nb_ref[b]
     row = b * q_ref.shape[1] + heads
-    state = (m_ref[row], l_ref[row], acc_ref[row, :])
-    resume = (j0, tuple(jnp.where(j0 > 0, x, e) for x, e in zip(state, _empty_state(bq, q.shape[1]))))
+    state = (m_ref[row], l_ref[row], tuple(acc_ref[row, pl.ds(o, w)] for o, w in parts))
+    resume = (j0, jax.tree.map(lambda x, e: jnp.where(j0 > 0, x, e), state, _empty_state(bq, parts)))
   out, _ = _attend_tile(q, pos, k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb, pt_ref, resume, compiled=compiled)
-  # Masked store of the real rows; the padding rows' indices point past the last head (distinct, never written:
-  # masked off on the GPU, dropped by interpret mode's scatter).
-  dest = jnp.where(real, heads, o_ref.shape[1] + r)
-  cols = lax.broadcasted_iota(jnp.int32, (1, out.shape[1]), 1)
-  pltriton.store(o_ref.at[b, dest[:, None], cols], out, mask=jnp.broadcast_to(real[:, None], out.shape))
+  _store_rows(o_ref, (b,), jnp.where(real, heads, o_ref.shape[1] + r), real, parts, out)
 
 
 def _prefix_kernel(q_ref, k_ref, v_ref, tiles_ref, nb_ref, sc_ref, pt_ref, m_ref, l_ref, acc_ref, *, g: int,
@@ -293,15 +384,15 @@ def _prefix_kernel(q_ref, k_ref, v_ref, tiles_ref, nb_ref, sc_ref, pt_ref, m_ref
   def _():
     seq_c = jnp.clip(seq, 0, n_seq - 1)
     heads = kvh * g + r % g
-    q, kv_dtype = _operands(jnp.where(real[:, None], q_ref[seq_c, heads, :], jnp.zeros((), q_ref.dtype)), k_ref.dtype)
+    parts = _parts(q_ref.shape[-1], k_ref.dtype)
+    q, kv_dtype = _operands(_query_parts(q_ref, (seq_c, heads), real, parts), k_ref.dtype)
     first = jnp.minimum(lead, n_seq - 1)
-    m, l, acc = _blocks(_empty_state(bq, q.shape[1]), q, k_ref, v_ref, first, pt_ref[first, :], kvh, sc_ref[0],
+    m, l, acc = _blocks(_empty_state(bq, parts), q, k_ref, v_ref, first, pt_ref[first, :], kvh, sc_ref[0],
                         kv_dtype, 0, nb_ref[first], compiled=compiled)
     dest = jnp.where(real, seq_c * n_heads + heads, n_seq * n_heads + r)  # padding: out of range (see above)
-    cols = lax.broadcasted_iota(jnp.int32, (1, acc.shape[1]), 1)
     pltriton.store(m_ref.at[dest], m, mask=real)
     pltriton.store(l_ref.at[dest], l, mask=real)
-    pltriton.store(acc_ref.at[dest[:, None], cols], acc, mask=jnp.broadcast_to(real[:, None], acc.shape))
+    _store_rows(acc_ref, (), dest, real, parts, acc)
 
 
 def shared_prefix_tiles(page_table_BxNb, shared_blocks_B, per_tile: int):
@@ -354,18 +445,20 @@ def _keys(k, v, page_table):
   return k, v, (jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, width - nb))),), nb
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "pair_ordered"))
 def attention_seq(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale, page_table_BxNb=None, *,
-                  config: TuningConfig = TuningConfig(), interpret: bool = False):
+                  config: TuningConfig = TuningConfig(), interpret: bool = False, pair_ordered: bool = False):
   """Rows = positions of one head (training, prefill) -> (out_BxTxHxD, lse_BxHxT FP32, log2 units).
 
-  ``page_table_BxNb``: k/v are page pools (N, BLOCK_KV, K, D) (the paged form of ``pallas_kernels.attention``)."""
+  ``page_table_BxNb``: k/v are page pools (N, BLOCK_KV, K, D) (the paged form of ``pallas_kernels.attention``).
+  ``pair_ordered``: k/v are float8_e4m3fn codes in pair order (``pallas_kernels.attention.pair_order``: the FP8
+  cache's layout), read as uint16 carriers."""
   check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, page_table_BxNb, BLOCK_KV)
   b, t, h, d = q_BxTxHxD.shape
   g = h // k_BxSxKxD.shape[2]
   q = _pad_rows(q_BxTxHxD, 1, BLOCK_KV)
   pos = _pad_rows(q_pos_BxT.astype(jnp.int32), 1, BLOCK_KV, -1)
-  k, v, extra, n_kb = _keys(k_BxSxKxD, v_BxSxKxD, page_table_BxNb)
+  k, v, extra, n_kb = _keys(*_kv_form(k_BxSxKxD, v_BxSxKxD, pair_ordered), page_table_BxNb)
   tp = q.shape[1]
   out, lse = pl.pallas_call(
       functools.partial(_seq_fwd_kernel, g=g, n_kb=n_kb, bq=config.block_q, paged=bool(extra), compiled=not interpret),
@@ -377,9 +470,22 @@ def attention_seq(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, qk_scale, v_scale,
   return out[:, :t], lse[:, :, :t]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _kv_form(k, v, pair_ordered: bool):
+  """K/V as the kernels read them: pair-ordered FP8 codes as uint16 carriers (a bitcast: byte pairs of each row,
+  ``_unpack_carriers``), anything else as it is."""
+  if not pair_ordered:
+    return k, v
+  if k.dtype != jnp.float8_e4m3fn or v.dtype != jnp.float8_e4m3fn:
+    raise ValueError(f"pair_ordered=True takes float8_e4m3fn codes, got k {k.dtype}, v {v.dtype}")
+  carriers = lambda x: lax.bitcast_convert_type(  # noqa: E731
+      lax.bitcast_convert_type(x, jnp.uint8).reshape(*x.shape[:-1], x.shape[-1] // 2, 2), jnp.uint16)
+  return carriers(k), carriers(v)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "pair_ordered"))
 def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, page_table_BxNb=None,
-                    shared_blocks_B=None, *, config: TuningConfig = TuningConfig(), interpret: bool = False):
+                    shared_blocks_B=None, *, config: TuningConfig = TuningConfig(), interpret: bool = False,
+                    pair_ordered: bool = False):
   """One query per sequence (decode): rows = the G heads of each key/value head -> out_BxHxD.
 
   ``page_table_BxNb``: k/v are page pools (N, BLOCK_KV, K, D) (the paged form of ``pallas_kernels.attention``).
@@ -387,16 +493,18 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
   every sequence of the same first page and count (the G samples of a prompt; each sees those blocks in full). A
   prefix pass then runs each group's shared blocks once, its sequences' rows together in one tile (up to
   decode_block_q / G sequences per tile: one read of the prefix pages, no padding rows), and the decode tiles go on
-  from the state it leaves. Same blocks, same order, same update per row: the same bits as without it."""
+  from the state it leaves. Same blocks, same order, same update per row: the same bits as without it.
+  ``pair_ordered``: as in ``attention_seq`` (the sampler's FP8 cache). E4M3 codes in natural order take the 64-row
+  tile (``TuningConfig.decode_block_q_natural_fp8``): a smaller one would not give the training rows' bits."""
   b, h, d = q_BxHxD.shape
   check_operands(q_BxHxD[:, None], k_BxSxKxD, v_BxSxKxD, q_pos_B[:, None], page_table_BxNb, BLOCK_KV)
   n_kv = k_BxSxKxD.shape[2]
   g = h // n_kv
-  bq = config.decode_block_q
-  k, v, extra, n_kb = _keys(k_BxSxKxD, v_BxSxKxD, page_table_BxNb)
+  fp8 = k_BxSxKxD.dtype == jnp.float8_e4m3fn
+  bq = config.decode_block_q_natural_fp8 if fp8 and not pair_ordered else config.decode_block_q
+  k, v, extra, n_kb = _keys(*_kv_form(k_BxSxKxD, v_BxSxKxD, pair_ordered), page_table_BxNb)
   scalars = _scalars(qk_scale, v_scale)
-  params = _params(config.decode_num_warps, config.decode_num_stages if k.dtype == jnp.float8_e4m3fn
-                   else config.decode_num_stages_bf16)
+  params = _params(config.decode_num_warps, config.decode_num_stages if fp8 else config.decode_num_stages_bf16)
   shared = shared_blocks_B is not None
   if shared:
     if page_table_BxNb is None:
@@ -404,18 +512,20 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
     if shared_blocks_B.shape != (b,):
       raise ValueError(f"attention_heads: shared_blocks_B must be ({b},) for q {q_BxHxD.shape}, got "
                        f"{shared_blocks_B.shape}")
-    if g > bq:
+    pq = config.prefix_block_q
+    if g > pq:
       raise ValueError(f"attention_heads: shared_blocks_B needs G = {g} query heads per key/value head <= "
-                       f"decode_block_q = {bq} (one tile holds whole sequences)")
-    per_tile = bq // g
+                       f"prefix_block_q = {pq} (one tile holds whole sequences)")
+    per_tile = pq // g
     tiles, nb = shared_prefix_tiles(page_table_BxNb, shared_blocks_B, per_tile)
     f32 = jnp.float32
     shapes = (jax.ShapeDtypeStruct((b * h,), f32), jax.ShapeDtypeStruct((b * h,), f32),
               jax.ShapeDtypeStruct((b * h, d), f32))
     prefix = pl.pallas_call(
-        functools.partial(_prefix_kernel, g=g, bq=bq, per_tile=per_tile, compiled=not interpret), out_shape=shapes,
+        functools.partial(_prefix_kernel, g=g, bq=pq, per_tile=per_tile, compiled=not interpret), out_shape=shapes,
         grid=(b, n_kv),
-        compiler_params=params, interpret=interpret, name="fp8jax_attention_decode_prefix")
+        compiler_params=_params(config.prefix_num_warps, params.num_stages), interpret=interpret,
+        name="fp8jax_attention_decode_prefix")
     # Always launched: with no group of two or more (e.g. one sample per prompt) every tile is -1 and every program
     # returns at once, leaving the state unwritten, which the decode tiles never read then (they start at block 0
     # where nb is 0 and select the empty state). Not a lax.cond: on the GPU a conditional copies its predicate to

@@ -160,21 +160,27 @@ def decode_rows(slots=256, max_len=1536, mean_ctx=1024):
     ours = lambda q, ck, cv, p: attn.attend(q[:, None], ck, cv, p[:, None], k_scale=ks_ours, v_scale=ks_ours,  # noqa
                                            backend="pallas")[:, 0]
     old = lambda q, ck, cv, p: _old_xla_decode(q, ck, cv, p, ks, vs)  # noqa: E731
+    impls = (("ours", ours, (ck, cv)), ("xla_whole_cache", old, (ck, cv)))
+    if fp8:  # the sampler's FP8 cache: head dims in pair order (fp8jax.kvcache.KVCache.pair_ordered), the 16-row tile
+      pairs = lambda q, ck, cv, p: attn.attend(q[:, None], ck, cv, p[:, None], k_scale=ks, v_scale=vs,  # noqa: E731
+                                              backend="pallas", pair_ordered=True)[:, 0]
+      impls = (("ours_pair_ordered", pairs, (ref.pair_order(ck), ref.pair_order(cv))),
+               ("ours_natural_order", ours, (ck, cv)), impls[1])
     outs = {}
-    for name, fn in (("ours", ours), ("xla_whole_cache", old)):
+    for name, fn, cache in impls:
       row = {"decode": "fp8" if fp8 else "bf16", "impl": name, "slots": slots, "max_len": max_len,
              "mean_ctx": float(np.mean(np.asarray(pos) + 1))}
       try:
-        ms, out = jax_time_ms(fn, [(q, ck, cv, pos)], iters=10)
+        ms, out = jax_time_ms(fn, [(q, *cache, pos)], iters=10)
         outs[name] = out
         row.update(ms_per_layer=ms, live_gb=live / 1e9, live_gbps=live / ms / 1e6, frac_of_copy_bw=live / ms / 1e6 / bw)
       except Exception as e:  # noqa: BLE001
         row["error"] = repr(e)[:300]
         log(f"  decode {name} failed:", traceback.format_exc()[-1500:])
       rows.append(row)
-    if len(outs) == 2:
-      rows[-2]["err_vs_xla"] = rel_err(outs["ours"], outs["xla_whole_cache"])
-    for r in rows[-2:]:
+    for r in rows[-len(impls):]:
+      if r["impl"] in outs and r["impl"] != "xla_whole_cache" and "xla_whole_cache" in outs:
+        r["err_vs_xla"] = rel_err(outs[r["impl"]], outs["xla_whole_cache"])
       log(json.dumps(r))
   return rows, bw
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import re
 import subprocess
@@ -105,10 +106,10 @@ def compile_sm90(ir_text: str, num_warps: int, num_stages: int, sass_path: str |
 
 def kernel_args(kernel: str, kv: str):
   """(function, abstract args) of the decode step's launch at Llama-3.1-8B shapes (256 slots, paged) or of the
-  training forward (8 x 4096)."""
+  training forward (8 x 4096). ``kv``: fp8_pairs (the sampler's pair-ordered FP8 cache), fp8 (natural order), bf16."""
   S = jax.ShapeDtypeStruct
   f32, i32, bf = jnp.float32, jnp.int32, jnp.bfloat16
-  kv_dtype = {"fp8": jnp.float8_e4m3fn, "bf16": bf}[kv]
+  kv_dtype = {"fp8": jnp.float8_e4m3fn, "fp8_pairs": jnp.float8_e4m3fn, "bf16": bf}[kv]
   h, n_kv, d = 32, 8, 128
   sc = (S((), f32), S((), f32))
   if kernel == "seq":
@@ -118,13 +119,15 @@ def kernel_args(kernel: str, kv: str):
   pool = S((3000, kern.BLOCK_KV, n_kv, d), kv_dtype)
   table = S((256, -(-1536 // kern.BLOCK_KV)), i32)
   shared = (S((256,), i32),) if kernel == "decode_shared" else ()
-  return kern.attention_heads, (S((256, h, d), bf), pool, pool, S((256,), i32), *sc, table, *shared)
+  fn = functools.partial(kern.attention_heads, pair_ordered=True) if kv == "fp8_pairs" else kern.attention_heads
+  return fn, (S((256, h, d), bf), pool, pool, S((256,), i32), *sc, table, *shared)
 
 
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--kernel", default="decode_shared", choices=("decode", "decode_shared", "seq"))
-  p.add_argument("--kv", default="fp8", choices=("fp8", "bf16"))
+  p.add_argument("--kv", default="fp8_pairs", choices=("fp8_pairs", "fp8", "bf16"),
+                 help="fp8_pairs: the sampler's FP8 cache (pair order); fp8: codes in natural order")
   p.add_argument("--sass_out", default=None, help="directory for each kernel's SASS listing")
   a = p.parse_args()
   fn, args = kernel_args(a.kernel, a.kv)

@@ -282,7 +282,7 @@ def test_shared_prefix_decode_interpret_equals_plain_decode_bitwise(fp8):
   q, k, v, table, pos, shared, (qs, vsc) = _prompt_groups(3 + fp8, groups, 2, 8, 2, 64, fp8)
   perm = np.random.default_rng(0).permutation(q.shape[0])  # a group's sequences need not be adjacent
   q, table, pos, shared = q[perm], table[perm], pos[perm], shared[perm]
-  cfg = kern.TuningConfig(decode_block_q=16)  # 4 sequences of G = 4 heads per prefix tile
+  cfg = kern.TuningConfig(prefix_block_q=16)  # 4 sequences of G = 4 heads per prefix tile
   plain = kern.attention_heads(q, k, v, pos, qs, vsc, table, config=cfg, interpret=True)
   got = kern.attention_heads(q, k, v, pos, qs, vsc, table, shared, config=cfg, interpret=True)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
@@ -381,6 +381,46 @@ def test_attend_is_differentiable_on_the_reference():
 # ------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared-prefix"])
+def test_pair_ordered_cache_interpret_equals_natural_bitwise(shared):
+  """The FP8 cache in pair order (read as uint16 carriers, each unpacked into the two head-dim halves) gives the
+  natural-order rows exactly: decode through a page table (with the shared-prefix pass), prefill over the pool, a
+  dense cache; and ``attend``'s reference puts the order back."""
+  groups = [(5, 2), (1, 1), (3, 3), (2, 0)]
+  q, k, v, table, pos, sb, (qs, vsc) = _prompt_groups(11, groups, 2, 8, 2, 64, True)
+  pk, pv = ref.pair_order(k), ref.pair_order(v)
+  np.testing.assert_array_equal(np.asarray(ref.natural_order(pk)).view(np.uint8), np.asarray(k).view(np.uint8))
+  extra = (table, sb) if shared else (table,)
+  cfg = kern.TuningConfig(prefix_block_q=16)
+  want = kern.attention_heads(q, k, v, pos, qs, vsc, *extra, config=cfg, interpret=True)
+  got = kern.attention_heads(q, pk, pv, pos, qs, vsc, *extra, config=cfg, interpret=True, pair_ordered=True)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert np.all(np.isfinite(np.asarray(got, np.float32)))
+  if shared:
+    return
+  qp = jnp.broadcast_to(q[:, None], (q.shape[0], 20, *q.shape[1:]))  # prefill rows over the pool
+  pp = jnp.broadcast_to(jnp.arange(20), (q.shape[0], 20))
+  np.testing.assert_array_equal(
+      np.asarray(kern.attention_seq(qp, pk, pv, pp, qs, vsc, table, interpret=True, pair_ordered=True)[0]),
+      np.asarray(kern.attention_seq(qp, k, v, pp, qs, vsc, table, interpret=True)[0]))
+  b, t = 2, 150
+  q2, k2, v2, ks, vs = _qkv(4, b, t, 8, 2, 128, fp8=True)
+  ck, cv = _cache_with_stale_rows(k2, v2, 256, 1)
+  ps = jnp.asarray([0, t - 1], jnp.int32)
+  qs2, vsc2 = _scales(128, ks, vs)
+  dense = kern.attention_heads(q2[jnp.arange(b), ps], ck, cv, ps, qs2, vsc2, interpret=True)
+  np.testing.assert_array_equal(
+      np.asarray(kern.attention_heads(q2[jnp.arange(b), ps], ref.pair_order(ck), ref.pair_order(cv), ps, qs2, vsc2,
+                                      interpret=True, pair_ordered=True)), np.asarray(dense))
+  via_ref = attn.attend(q2[jnp.arange(b), ps][:, None], ref.pair_order(ck), ref.pair_order(cv), ps[:, None],
+                        k_scale=ks, v_scale=vs, backend="xla", pair_ordered=True)
+  np.testing.assert_array_equal(np.asarray(via_ref), np.asarray(attn.attend(
+      q2[jnp.arange(b), ps][:, None], ck, cv, ps[:, None], k_scale=ks, v_scale=vs, backend="xla")))
+  with pytest.raises(ValueError, match="pair_ordered=True takes float8_e4m3fn"):
+    kern.attention_heads(q2[:, 0], k2.astype(jnp.bfloat16), v2.astype(jnp.bfloat16), ps, qs2, vsc2, interpret=True,
+                         pair_ordered=True)
+
+
 def _lower_cuda(fn, *args):
   dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
   mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=dev)
@@ -404,6 +444,10 @@ def test_kernels_lower_for_cuda(kv_dtype):
   lowered = _lower_cuda(kern.attention_heads, S((256, h, d), bf), pool, pool, S((256,), i32), *sc, S((256, 12), i32),
                         S((256,), i32))  # the shared-prefix form: the prefix pass, then the resuming decode tiles
   assert lowered.count("__gpu$xla.gpu.triton") == 2
+  if kv_dtype == jnp.float8_e4m3fn:  # the sampler's pair-ordered FP8 cache: uint16 carriers into the 16-row tile
+    pairs = functools.partial(kern.attention_heads, pair_ordered=True)
+    assert "triton" in _lower_cuda(pairs, S((256, h, d), bf), pool, pool, S((256,), i32), *sc, S((256, 12), i32),
+                                   S((256,), i32))
   assert "triton" in _lower_cuda(kern.attention_seq, S((64, 512, h, d), bf), pool, pool, S((64, 512), i32), *sc,
                                  S((64, 4), i32))
   if kv_dtype != jnp.float8_e4m3fn:  # the backward reads BF16 values or BF16-held codes (kv_codes)
@@ -516,10 +560,12 @@ def test_gpu_kernels_match_reference(b, t, h, kv, fp8):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
-def test_gpu_decode_rows_equal_training_rows_bitwise(fp8):
-  """The one-engine property on the GPU: decode (heads tiles over the cache) == training (sequence tiles)."""
-  rng = np.random.default_rng(1 + fp8)
+@pytest.mark.parametrize("form", ["bf16", "fp8", "fp8-pairs"])
+def test_gpu_decode_rows_equal_training_rows_bitwise(form):
+  """The one-engine property on the GPU: decode (heads tiles over the cache) == training (sequence tiles). BF16
+  and pair-ordered FP8 caches run the 16-row decode tile, natural-order FP8 the 64-row one."""
+  fp8, po = form != "bf16", form == "fp8-pairs"
+  rng = np.random.default_rng(1 + fp8 + po)
   for trial in range(3):
     b, t = int(rng.integers(1, 9)), int(rng.integers(100, 1500))
     h, kv, d = 32, 8, 128
@@ -527,7 +573,10 @@ def test_gpu_decode_rows_equal_training_rows_bitwise(fp8):
     train = fp8jax.jit(lambda q, k, v: attn.attend(q, k, v, k_scale=ks, v_scale=vs, backend="pallas"))(
         q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
     ck, cv = _cache_with_stale_rows(k, v, kvcache.padded_len(t + 300), trial)
-    step = fp8jax.jit(lambda q, k, v, p: attn.attend(q, k, v, p, k_scale=ks, v_scale=vs, backend="pallas"))
+    if po:
+      ck, cv = ref.pair_order(ck), ref.pair_order(cv)
+    step = fp8jax.jit(lambda q, k, v, p: attn.attend(q, k, v, p, k_scale=ks, v_scale=vs, backend="pallas",
+                                                     pair_ordered=po))
     ps = jnp.asarray(rng.integers(0, t, b), jnp.int32)
     rows = step(q[jnp.arange(b), ps][:, None], ck, cv, ps[:, None])
     np.testing.assert_array_equal(np.asarray(rows[:, 0]), np.asarray(train[jnp.arange(b), ps]))
@@ -538,17 +587,20 @@ def test_gpu_decode_rows_equal_training_rows_bitwise(fp8):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
-def test_gpu_paged_rows_equal_training_rows_bitwise(fp8):
+@pytest.mark.parametrize("form", ["bf16", "fp8", "fp8-pairs"])
+def test_gpu_paged_rows_equal_training_rows_bitwise(form):
   """The sampler's paged cache on the GPU: decode and prefill through a shuffled page table == training rows."""
+  fp8, po = form != "bf16", form == "fp8-pairs"
   b, t, h, kv, d = 5, 1000, 32, 8, 128
   q, k, v, ks, vs = _qkv(21 + fp8, b, t, h, kv, d, fp8=fp8)
   train = fp8jax.jit(lambda q, k, v: attn.attend(q, k, v, k_scale=ks, v_scale=vs, backend="pallas"))(
       q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
   ck, cv = _cache_with_stale_rows(k, v, kvcache.padded_len(t + 200), 2)
   pk, pv, table = _shuffled_pages(ck, cv, ref.BLOCK_KV, 2)
+  if po:
+    pk, pv = ref.pair_order(pk), ref.pair_order(pv)
   step = fp8jax.jit(lambda q, k, v, p, pt: attn.attend(q, k, v, p, k_scale=ks, v_scale=vs, backend="pallas",
-                                                       page_table=pt))
+                                                       page_table=pt, pair_ordered=po))
   ps = jnp.asarray(np.random.default_rng(3).integers(0, t, b), jnp.int32)
   rows = step(q[jnp.arange(b), ps][:, None], pk, pv, ps[:, None], table)
   np.testing.assert_array_equal(np.asarray(rows[:, 0]), np.asarray(train[jnp.arange(b), ps]))
@@ -558,17 +610,20 @@ def test_gpu_paged_rows_equal_training_rows_bitwise(fp8):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
-def test_gpu_shared_prefix_decode_equals_plain_decode_bitwise(fp8):
+@pytest.mark.parametrize("form", ["bf16", "fp8", "fp8-pairs"])
+def test_gpu_shared_prefix_decode_equals_plain_decode_bitwise(form):
   """The sampler's shared-prefix decode on the GPU (a prompt's pages once per group of samples, Llama's 32/8 heads:
   16 samples per prefix tile) == the plain decode tiles, bit for bit, through ``attend`` as the model calls it."""
+  fp8, po = form != "bf16", form == "fp8-pairs"
   groups = [(20, 4), (16, 2), (1, 3), (5, 0), (3, 1)]
   q, k, v, table, pos, shared, _ = _prompt_groups(40 + fp8, groups, 3, 32, 8, 128, fp8)
   ks, vs = (jnp.float32(8 / 448), jnp.float32(4 / 448)) if fp8 else (None, None)
   perm = np.random.default_rng(1).permutation(q.shape[0])
   q, table, pos, shared = q[perm], table[perm], pos[perm], shared[perm]
-  step = fp8jax.jit(lambda q, p, pt, sb: attn.attend(q[:, None], k, v, p[:, None], k_scale=ks, v_scale=vs,
-                                                     backend="pallas", page_table=pt, shared_blocks=sb)[:, 0])
+  ck, cv = (ref.pair_order(k), ref.pair_order(v)) if po else (k, v)
+  step = fp8jax.jit(lambda q, p, pt, sb: attn.attend(q[:, None], ck, cv, p[:, None], k_scale=ks, v_scale=vs,
+                                                     backend="pallas", page_table=pt, shared_blocks=sb,
+                                                     pair_ordered=po)[:, 0])
   got = step(q, pos, table, shared)
   plain = step(q, pos, table, None)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
@@ -576,6 +631,34 @@ def test_gpu_shared_prefix_decode_equals_plain_decode_bitwise(fp8):
   want = ref.attention_reference(q[:, None], k, v, pos[:, None], qs, vsc, block_kv=ref.BLOCK_KV,
                                  page_table_BxNb=table, kv_codes=fp8)[0][:, 0]
   assert _rel(got, want) <= 5e-3
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("form", ["bf16", "fp8", "fp8-pairs"])
+def test_gpu_decode_rows_equal_training_rows_at_every_position(form):
+  """Every position of 4 sequences decoded as its own slot (4,000 slots whose page-table rows point at their
+  sequence's pages), plain and through the shared-prefix pass (slots past 128 / 256 keys share 1 / 2 prompt pages),
+  == the training rows, bit for bit: ~16M output elements, enough to catch the rare rounding differences (~1e-5 of
+  the elements) that a layout-dependent reduction in one tile shape leaves, which the small checks above can miss."""
+  fp8, po = form != "bf16", form == "fp8-pairs"
+  b, t, h, kv, d = 4, 1000, 32, 8, 128
+  q, k, v, ks, vs = _qkv(77 + fp8 + po, b, t, h, kv, d, fp8=fp8)
+  train = fp8jax.jit(lambda q, k, v: attn.attend(q, k, v, k_scale=ks, v_scale=vs, backend="pallas"))(
+      q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+  ck, cv = _cache_with_stale_rows(k, v, kvcache.padded_len(t), 4)
+  pk, pv, table = _shuffled_pages(ck, cv, ref.BLOCK_KV, 5)
+  if po:
+    pk, pv = ref.pair_order(pk), ref.pair_order(pv)
+  seq = jnp.repeat(jnp.arange(b), t)
+  ps = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)
+  shared = jnp.minimum(ps // ref.BLOCK_KV, 2)
+  step = fp8jax.jit(lambda q, p, pt, sb: attn.attend(q[:, None], pk, pv, p[:, None], k_scale=ks, v_scale=vs,
+                                                     backend="pallas", page_table=pt, shared_blocks=sb,
+                                                     pair_ordered=po)[:, 0])
+  want = np.asarray(train[seq, ps])
+  np.testing.assert_array_equal(np.asarray(step(q[seq, ps], ps, table[seq], None)), want)
+  np.testing.assert_array_equal(np.asarray(step(q[seq, ps], ps, table[seq], shared)), want)
 
 
 @pytest.mark.gpu

@@ -112,6 +112,55 @@ def test_sampler_with_the_write_kernel_equals_scatters(monkeypatch):
   np.testing.assert_array_equal(got.lengths, want.lengths)
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["scatters", "kernel"])
+def test_pair_ordered_cache_stores_head_dims_in_pair_order(kernel, monkeypatch):
+  """A pair-ordered FP8 cache (``KVCache.pair_ordered``) receives each new row's codes with its head dims in pair
+  order: the natural cache's pages with ``pallas_kernels.attention.pair_order`` applied to the written rows, through
+  the scatters and through the write kernel; pages it does not write stay as they were."""
+  from pallas_kernels import attention as ref  # noqa: PLC0415
+  monkeypatch.setattr(kv_write, "paged_write", functools.partial(kv_write.paged_write, interpret=True))
+  cache, (k, v), pos = _case(7, 3, 5, True)
+  po = dataclasses.replace(cache, pair_ordered=True)
+  for layer in range(2):
+    nk, nv = kvc.store_layer(cache, layer, k, v, pos, kernel=kernel)
+    pk, pv = kvc.store_layer(po, layer, k, v, pos, kernel=kernel)
+    written = np.zeros(cache.k[0].shape[:2], bool)
+    page, off = kvc._page_offsets(cache.k[0], pos, cache.page_table)
+    ok = np.asarray(page) < written.shape[0]
+    written[np.asarray(page)[ok], np.asarray(off)[ok]] = True
+    for got, nat, old in ((pk, nk, cache.k[layer]), (pv, nv, cache.v[layer])):
+      np.testing.assert_array_equal(_bits(got)[written], _bits(ref.pair_order(nat))[written])
+      np.testing.assert_array_equal(_bits(got)[~written], _bits(old)[~written])
+
+
+def test_sampler_with_a_pair_ordered_cache_equals_natural(monkeypatch):
+  """The sampler with its FP8 cache in pair order (as on a GPU with the attention kernels; here the reference
+  attention reads it back in natural order): prefill, the decode loop with refills: the natural cache's tokens and
+  log-probs exactly, and the cache it attends over is pair-ordered."""
+  cfg = ModelConfig(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256)
+  params = smp.prepare_params(llama.init_params(cfg, seed=2, std=0.1), quant.Recipe())
+  scfg = smp.SamplerConfig(slots=3, max_len=48, kv_cache="fp8", decode_chunk=4)
+  prompts = [[1, 2, 3], list(range(5, 25)), [7] * 9]
+  sp = smp.SamplingParams(temperature=1.0, max_new_tokens=10, seed=4)
+  scales = (jnp.asarray([0.02, 0.03]), jnp.asarray([0.025, 0.015]))
+  want = smp.Sampler(cfg, scfg).generate(params, prompts, sp, n=2, kv_scales=scales)
+  seen, attend = [], attn.attend
+
+  def spy(*args, pair_ordered=False, **kwargs):
+    seen.append(pair_ordered)
+    return attend(*args, pair_ordered=pair_ordered, **kwargs)
+
+  monkeypatch.setattr(smp.Sampler, "_pair_ordered", lambda self, kv_cache: kv_cache == "fp8")
+  monkeypatch.setattr(attn, "attend", spy)
+  jax.clear_caches()  # retrace: an earlier test may have compiled the same step (the spy sees traces only)
+  got = smp.Sampler(cfg, dataclasses.replace(scfg, decode_chunk=5)).generate(params, prompts, sp, n=2,
+                                                                             kv_scales=scales)
+  assert seen and all(seen)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.logprobs, want.logprobs)
+  np.testing.assert_array_equal(got.lengths, want.lengths)
+
+
 def test_bad_operands_are_named():
   cache, (kn, vn), pos = _case(1, 2, 1, True)
   page, off = kvc._page_offsets(cache.k[0], pos, cache.page_table)

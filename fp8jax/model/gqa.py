@@ -62,5 +62,5 @@ def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, la
                              kernel=_write_kernel(cfg, lcfg, q, cache.k[layer], k, pt))
     new_layer = (ck, cv)
     out = attn.attend(q, ck, cv, positions_BxT, k_scale=sk, v_scale=sv, backend=cfg.attn_backend, mesh=lcfg.mesh,
-                      page_table=pt, shared_blocks=cache.shared_blocks)
+                      page_table=pt, shared_blocks=cache.shared_blocks, pair_ordered=cache.pair_ordered)
   return ops.linear(out.reshape(b, t, hq * hd), p["wo"], lcfg, PARALLEL["wo"]), new_layer, amax

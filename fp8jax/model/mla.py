@@ -103,6 +103,8 @@ def attention(p, x_BxTxD, positions_BxT, cfg: ModelConfig, lcfg, inv_freq, *, la
     out = attn.attend(q_abs, key, key, None if own_positions else positions_BxT, k_scale=s, v_scale=s, sm_scale=sm,
                       backend=cfg.attn_backend, mesh=lcfg.mesh)
   else:
+    if cache.pair_ordered:
+      raise ValueError("MLA's latent cache is read in natural order; it cannot be pair_ordered")
     s = cache.k_scale_L[layer] if cache.is_fp8 else None
     ck = kvc.store(cache.k[layer], key, s, positions_BxT, cache.page_table)
     new_layer = (ck, None)
