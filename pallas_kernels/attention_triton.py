@@ -232,15 +232,27 @@ def _operands(q, kv_dtype):
   return q, jax.tree.leaves(q)[0].dtype
 
 
-def _unpack_carriers(c):
+# One carrier's E4M3 pair -> FP16 x2 in one instruction (the low byte, head dim i, to the low 16 bits).
+_CVT_CARRIER = "cvt.rn.f16x2.e4m3x2 $0, $1;"
+
+
+def _unpack_carriers(c, compiled: bool):
   """uint16 carriers (n, D/2) of a pair-ordered FP8 row (byte 2i = code i, byte 2i + 1 = code i + D/2) -> the two
   head-dim halves as FP16 (exact). Each half comes from its own 16-bit lanes, so the dots see FP16 operands loaded
-  16 bits at a time (kWidth 2, the layout of every other form); see ``_load_block``."""
+  16 bits at a time (kWidth 2, the layout of every other form); see ``_load_block``. Compiled: one conversion per
+  carrier (the PTX above) and the two halves taken from its result's 16-bit halves (the per-byte masks, shifts and
+  conversions Triton makes of the jnp form cost more instructions); interpret mode: the same values in jnp."""
+  if compiled:
+    [x] = pltriton.elementwise_inline_asm(  # signless integers for Triton's asm op
+        _CVT_CARRIER, args=[lax.bitcast_convert_type(c, jnp.int16)], constraints="=r,h", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.int32)])
+    half = lambda u: lax.bitcast_convert_type(u.astype(jnp.int16), jnp.float16)  # noqa: E731
+    return half(x), half(lax.shift_right_logical(x, jnp.int32(16)))
   f = lambda u: lax.bitcast_convert_type(u, jnp.float8_e4m3fn).astype(jnp.float16)  # noqa: E731
   return f((c & 0xFF).astype(jnp.uint8)), f(lax.shift_right_logical(c, jnp.uint16(8)).astype(jnp.uint8))
 
 
-def _load_block(k_ref, v_ref, b, pages, j, kvh, kv_dtype):
+def _load_block(k_ref, v_ref, b, pages, j, kvh, kv_dtype, compiled: bool):
   """Key block j of key/value head ``kvh``: (first key index, K parts, V parts) as the dots take them, each a tuple
   of the head-dim parts (``_parts``: the halves for codes, the whole head dim for BF16). Dense refs read sequence
   ``b``; with ``pages`` (the sequence's page-table row, loaded before the loop: no load the K/V addresses wait on)
@@ -257,7 +269,7 @@ def _load_block(k_ref, v_ref, b, pages, j, kvh, kv_dtype):
   idx = (b, pl.ds(start, BLOCK_KV)) if pages is None else (
       jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, pages.shape, 0) == j, pages, 0)), slice(None))
   if k_ref.dtype == jnp.uint16:
-    return start, _unpack_carriers(k_ref[(*idx, kvh, slice(None))]), _unpack_carriers(v_ref[(*idx, kvh, slice(None))])
+    return start, *(_unpack_carriers(r[(*idx, kvh, slice(None))], compiled) for r in (k_ref, v_ref))
   parts = lambda r: tuple(  # noqa: E731
       r[(*idx, kvh, pl.ds(o, w))].astype(kv_dtype) for o, w in _parts(k_ref.shape[-1], k_ref.dtype))
   return start, parts(k_ref), parts(v_ref)
@@ -268,7 +280,7 @@ def _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, lo, hi, p
   """Key blocks lo .. hi - 1 in order through ``_update``: unmasked (every key visible to every row), or masked by
   the rows' positions ``pos`` (the tile's last row at ``last``)."""
   def block(j, carry):
-    start, kb, vb = _load_block(k_ref, v_ref, b, pages, j, kvh, kv_dtype)
+    start, kb, vb = _load_block(k_ref, v_ref, b, pages, j, kvh, kv_dtype, compiled)
     key = start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0)
     return _update(carry, q, kb, vb, start, key, pos, last, qk_scale, masked=pos is not None, compiled=compiled)
 
