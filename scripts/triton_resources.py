@@ -36,6 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax._src.pallas.triton import pallas_call_registration as registration  # noqa: E402
 
 from pallas_kernels import attention_triton as kern  # noqa: E402
+from pallas_kernels.lowering import lower_for_h200  # noqa: E402
 
 SM_REGISTERS, SM_SHARED, MAX_SHARED_PER_BLOCK = 65536, 228 * 1024, 227 * 1024
 
@@ -52,10 +53,7 @@ def triton_modules(fn, *args):
 
   registration.lowering.lower_jaxpr_to_triton_module = keep
   try:
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=dev)
-    with jax.sharding.use_abstract_mesh(mesh):
-      text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_h200(fn, *args)
   finally:
     registration.lowering.lower_jaxpr_to_triton_module = lower
   configs = re.findall(r'name = "([^"]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)

@@ -37,6 +37,7 @@ from fp8jax import attention as attn
 from fp8jax import kvcache, ops
 from pallas_kernels import attention as ref
 from pallas_kernels import attention_triton as kern
+from pallas_kernels.lowering import lower_for_h200
 
 requires_gpu = pytest.mark.skipif(not attn._gpu_available(), reason="needs a CUDA GPU")
 
@@ -421,38 +422,31 @@ def test_pair_ordered_cache_interpret_equals_natural_bitwise(shared):
                          pair_ordered=True)
 
 
-def _lower_cuda(fn, *args):
-  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=dev)
-  with jax.sharding.use_abstract_mesh(mesh):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float16], ids=["bf16", "fp8", "fp16-codes"])
 def test_kernels_lower_for_cuda(kv_dtype):
   S = jax.ShapeDtypeStruct
   f32, i32, bf = jnp.float32, jnp.int32, jnp.bfloat16
   b, t, h, kv, d = 8, 4096, 32, 8, 128
   sc = (S((), f32), S((), f32))
-  assert "triton" in _lower_cuda(kern.attention_seq, S((b, t, h, d), bf), S((b, t, kv, d), kv_dtype),
+  assert "triton" in lower_for_h200(kern.attention_seq, S((b, t, h, d), bf), S((b, t, kv, d), kv_dtype),
                                  S((b, t, kv, d), kv_dtype), S((b, t), i32), *sc)
-  assert "triton" in _lower_cuda(kern.attention_heads, S((256, h, d), bf), S((256, 1536, kv, d), kv_dtype),
+  assert "triton" in lower_for_h200(kern.attention_heads, S((256, h, d), bf), S((256, 1536, kv, d), kv_dtype),
                                  S((256, 1536, kv, d), kv_dtype), S((256,), i32), *sc)
   pool = S((3000, 128, kv, d), kv_dtype)  # the paged form: pages of one key block, a page table per sequence
-  assert "triton" in _lower_cuda(kern.attention_heads, S((256, h, d), bf), pool, pool, S((256,), i32), *sc,
+  assert "triton" in lower_for_h200(kern.attention_heads, S((256, h, d), bf), pool, pool, S((256,), i32), *sc,
                                  S((256, 12), i32))
-  lowered = _lower_cuda(kern.attention_heads, S((256, h, d), bf), pool, pool, S((256,), i32), *sc, S((256, 12), i32),
+  lowered = lower_for_h200(kern.attention_heads, S((256, h, d), bf), pool, pool, S((256,), i32), *sc, S((256, 12), i32),
                         S((256,), i32))  # the shared-prefix form: the prefix pass, then the resuming decode tiles
   assert lowered.count("__gpu$xla.gpu.triton") == 2
   if kv_dtype == jnp.float8_e4m3fn:  # the sampler's pair-ordered FP8 cache: uint16 carriers into the 16-row tile
     pairs = functools.partial(kern.attention_heads, pair_ordered=True)
-    assert "triton" in _lower_cuda(pairs, S((256, h, d), bf), pool, pool, S((256,), i32), *sc, S((256, 12), i32),
+    assert "triton" in lower_for_h200(pairs, S((256, h, d), bf), pool, pool, S((256,), i32), *sc, S((256, 12), i32),
                                    S((256,), i32))
-  assert "triton" in _lower_cuda(kern.attention_seq, S((64, 512, h, d), bf), pool, pool, S((64, 512), i32), *sc,
+  assert "triton" in lower_for_h200(kern.attention_seq, S((64, 512, h, d), bf), pool, pool, S((64, 512), i32), *sc,
                                  S((64, 4), i32))
   if kv_dtype != jnp.float8_e4m3fn:  # the backward reads BF16 values or BF16-held codes (kv_codes)
     bwd = functools.partial(kern.attention_seq_bwd, causal_rows=True, kv_codes=kv_dtype == jnp.float16)
-    assert "triton" in _lower_cuda(bwd, S((b, t, h, d), bf), S((b, t, kv, d), bf), S((b, t, kv, d), bf),
+    assert "triton" in lower_for_h200(bwd, S((b, t, h, d), bf), S((b, t, kv, d), bf), S((b, t, kv, d), bf),
                                    S((b, t), i32), *sc, S((b, t, h, d), bf), S((b, h, t), f32), S((b, t, h, d), bf))
 
 

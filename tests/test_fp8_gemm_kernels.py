@@ -28,6 +28,7 @@ from fp8jax import ops
 from pallas_kernels import fp8_gemm_mgpu as mgpu
 from pallas_kernels import fp8_gemm_triton as tgemm
 from pallas_kernels.fp8_gemm import bf16_gemm_reference, fp8_gemm_reference
+from pallas_kernels.lowering import lower_for_h200
 
 LLAMA_8B_SHAPES = {  # name: (K, N) of C = A . B^T with B stored (N, K)
     "qkv": (4096, 6144),
@@ -184,15 +185,11 @@ def _abstract_args(m, n, k, row_scales):
           jax.ShapeDtypeStruct((n if row_scales else n // 128, k // 128), jnp.float32))
 
 
-def _lower_cuda(fn, *args):
-  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 @pytest.mark.parametrize("m", [1, 64, 256, 8192, 65536])  # decode ... 64k-token batches
 def test_mgpu_lowers_for_cuda_llama_shapes(m):
   for k, n in LLAMA_8B_SHAPES.values():
     f = functools.partial(mgpu.fp8_gemm, out_dtype=jnp.bfloat16, num_sms=132)
-    assert "mosaic_gpu" in _lower_cuda(f, *_abstract_args(m, n, k, False))
+    assert "mosaic_gpu" in lower_for_h200(f, *_abstract_args(m, n, k, False))
 
 
 @pytest.mark.parametrize("cfg", [
@@ -208,17 +205,14 @@ def test_mgpu_lowers_for_cuda_llama_shapes(m):
 @pytest.mark.parametrize("row_scales,out_dtype", [(False, jnp.float32), (True, jnp.float32), (True, jnp.bfloat16)])
 def test_mgpu_lowers_for_cuda_configs(cfg, row_scales, out_dtype):
   f = functools.partial(mgpu.fp8_gemm, out_dtype=out_dtype, config=cfg, num_sms=132)
-  assert "mosaic_gpu" in _lower_cuda(f, *_abstract_args(200, 512, 1024, row_scales))
+  assert "mosaic_gpu" in lower_for_h200(f, *_abstract_args(200, 512, 1024, row_scales))
 
 
 def test_triton_lowers_for_cuda():
-  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=dev)
-  with jax.sharding.use_abstract_mesh(mesh):
-    for m, row_scales in ((1, False), (8192, False), (4096, True)):
-      k, n = LLAMA_8B_SHAPES["down"]
-      f = functools.partial(tgemm.fp8_gemm, out_dtype=jnp.bfloat16)
-      assert "triton" in _lower_cuda(f, *_abstract_args(m, n, k, row_scales))
+  for m, row_scales in ((1, False), (8192, False), (4096, True)):
+    k, n = LLAMA_8B_SHAPES["down"]
+    f = functools.partial(tgemm.fp8_gemm, out_dtype=jnp.bfloat16)
+    assert "triton" in lower_for_h200(f, *_abstract_args(m, n, k, row_scales))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -431,7 +425,7 @@ def test_bf16_lowers_for_cuda_shapes(m):
   for name, (k, n) in BF16_SHAPES.items():
     f = functools.partial(mgpu.bf16_gemm, out_dtype=_bf16_out(name), num_sms=132)
     args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.bfloat16))
-    assert "mosaic_gpu" in _lower_cuda(f, *args)
+    assert "mosaic_gpu" in lower_for_h200(f, *args)
 
 
 @pytest.mark.parametrize("cfg", list(_shipped_bf16_configs()) + [
@@ -444,7 +438,7 @@ def test_bf16_lowers_for_cuda_configs(cfg, out_dtype):
   """Each shipped config (and the extra ones the GPU invariance test runs), both output dtypes."""
   f = functools.partial(mgpu.bf16_gemm, out_dtype=out_dtype, config=cfg, num_sms=132)
   args = (jax.ShapeDtypeStruct((200, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16))
-  assert "mosaic_gpu" in _lower_cuda(f, *args)
+  assert "mosaic_gpu" in lower_for_h200(f, *args)
 
 
 def _bf16_bound(k: int) -> float:

@@ -24,6 +24,7 @@ from fp8jax import ops
 from pallas_kernels import fp8_gemm_mgpu as mgpu
 from pallas_kernels import grouped_gemm
 from pallas_kernels.fp8_gemm import fp8_gemm_reference
+from pallas_kernels.lowering import lower_for_h200
 
 T = mgpu.TuningConfig
 requires_hopper = pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
@@ -178,16 +179,12 @@ def _abstract(m, e, n, k):
           S((e, n // 128, k // 128), jnp.float32), S((e,), jnp.int32))
 
 
-def _lower_cuda(fn, *args):
-  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 @pytest.mark.parametrize("m", [1, 256, 8192, 32768])  # decode ... 4096 tokens x top-8 routed rows
 @pytest.mark.parametrize("name", list(QWEN3_MOE))
 def test_lowers_for_cuda_qwen3_moe_shapes(m, name):
   n, k = QWEN3_MOE[name]
   f = functools.partial(mgpu.grouped_fp8_gemm, out_dtype=jnp.bfloat16, num_sms=132)
-  assert "mosaic_gpu" in _lower_cuda(f, *_abstract(m, QWEN3_E, n, k))
+  assert "mosaic_gpu" in lower_for_h200(f, *_abstract(m, QWEN3_E, n, k))
 
 
 GPU_CONFIGS = [T("m", 128, 2, k_blocks=2), T("m", 128, 4), T("n", 64, 4), T("n", 32, 4, k_blocks=2),
@@ -199,7 +196,7 @@ GPU_CONFIGS = [T("m", 128, 2, k_blocks=2), T("m", 128, 4), T("n", 64, 4), T("n",
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 def test_lowers_for_cuda_configs(cfg, out_dtype):
   f = functools.partial(mgpu.grouped_fp8_gemm, out_dtype=out_dtype, config=cfg, num_sms=16)
-  assert "mosaic_gpu" in _lower_cuda(f, *_abstract(2048, 16, 768, 2048))
+  assert "mosaic_gpu" in lower_for_h200(f, *_abstract(2048, 16, 768, 2048))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -304,7 +301,7 @@ def test_bf16_lowers_for_cuda_qwen3_moe_shapes(m, name):
   args = (jax.ShapeDtypeStruct((p, k), jnp.bfloat16), jax.ShapeDtypeStruct((QWEN3_E, n, k), jnp.bfloat16),
           jax.ShapeDtypeStruct((p // 128,), jnp.int32))
   f = functools.partial(mgpu.grouped_bf16_gemm_tiles, out_dtype=jnp.float32, num_sms=132)
-  assert "mosaic_gpu" in _lower_cuda(f, *args)
+  assert "mosaic_gpu" in lower_for_h200(f, *args)
 
 
 @pytest.mark.gpu
@@ -457,10 +454,10 @@ def test_wgrad_lowers_for_cuda_qwen3_moe_shapes(tokens, name):
   S = jax.ShapeDtypeStruct
   te = S((p // 128,), jnp.int32)
   f8 = functools.partial(mgpu.grouped_fp8_wgrad_tiles, num_experts=QWEN3_E, num_sms=132)
-  assert "mosaic_gpu" in _lower_cuda(f8, S((n, p), jnp.float8_e4m3fn), S((n, p // 128), jnp.float32),
+  assert "mosaic_gpu" in lower_for_h200(f8, S((n, p), jnp.float8_e4m3fn), S((n, p // 128), jnp.float32),
                                      S((k, p), jnp.float8_e4m3fn), S((k, p // 128), jnp.float32), te)
   bf = functools.partial(mgpu.grouped_bf16_wgrad_tiles, num_experts=QWEN3_E, num_sms=132)
-  assert "mosaic_gpu" in _lower_cuda(bf, S((n, p), jnp.bfloat16), S((k, p), jnp.bfloat16), te)
+  assert "mosaic_gpu" in lower_for_h200(bf, S((n, p), jnp.bfloat16), S((k, p), jnp.bfloat16), te)
 
 
 WGRAD_GPU_CONFIGS = [T("m", 128, 4), T("m", 128, 2), T("m", 64, 4), T("n", 64, 4), T("n", 32, 4)]
