@@ -363,7 +363,7 @@ def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb:
   (nb_ref, m_ref, l_ref, acc_ref, o_ref) = rest if shared else (None,) * 4 + rest
   b, kvh, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   # Rows ti * bq + r of the G heads of KV head kvh, read straight from the (B, H, D) queries: rows past G (the
-  # padding up to a whole 64-row warpgroup tile) are built in registers as zeros at position -1, never in HBM.
+  # padding up to the tile's block_q rows) are built in registers as zeros at position -1, never in HBM.
   r = ti * bq + lax.broadcasted_iota(jnp.int32, (bq,), 0)
   real = r < g
   heads = kvh * g + jnp.minimum(r, g - 1)  # padding rows load a real row (in bounds), then are zeroed
@@ -504,7 +504,7 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
   ``shared_blocks_B`` (paged form only): sequence b's first shared_blocks_B[b] key blocks are pages it shares with
   every sequence of the same first page and count (the G samples of a prompt; each sees those blocks in full). A
   prefix pass then runs each group's shared blocks once, its sequences' rows together in one tile (up to
-  decode_block_q / G sequences per tile: one read of the prefix pages, no padding rows), and the decode tiles go on
+  prefix_block_q / G sequences per tile: one read of the prefix pages, no padding rows), and the decode tiles go on
   from the state it leaves. Same blocks, same order, same update per row: the same bits as without it.
   ``pair_ordered``: as in ``attention_seq`` (the sampler's FP8 cache). E4M3 codes in natural order take the 64-row
   tile (``TuningConfig.decode_block_q_natural_fp8``): a smaller one would not give the training rows' bits."""
