@@ -186,8 +186,9 @@ _FIX_ORIGIN, _FIX_ORIGIN_BITS, _FIX_UNIT = 3.0, 0x40400000, 2.0**-22
 
 
 def _row_sum(p):
-  """sum_j p[:, j] for FP32 p in [0, 1] (rows, n; the block's max term is 1 up to one rounding): each term rounded
-  to a multiple of 2**-22, the terms added as integers, the sum converted back to FP32.
+  """sum_j p[:, j] for FP32 p in [0, 1] (rows, n): each term rounded to a multiple of 2**-22, the terms added as
+  integers, the sum converted back to FP32. (The block's max term is 1 up to the exponent FMA's rounding, ~|m0|
+  2**-24 in log2 units; a term that lands above 1 counts its excess at half weight: an error of that order.)
 
   Why not jnp.sum: a float reduction adds a row's values in an order set by the tile's layout (a wgmma tile keeps
   a row's keys in one warp; a 16-row mma.sync tile splits them over four warps and adds the warps' partial sums),
