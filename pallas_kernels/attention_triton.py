@@ -297,8 +297,7 @@ def _empty_state(bq, parts):
 def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_ref=None, resume=None, *,
                  compiled: bool):
   """Query rows at positions ``pos`` (``q``: their head-dim parts, ``_parts``) over key/value head ``kvh`` of
-  sequence ``b`` -> (out parts in q's dtype, lse (block_q,) FP32 log2 units; +inf for a
-  row that sees no key).
+  sequence ``b`` -> (out parts in q's dtype, lse (block_q,) FP32 log2 units; +inf for a row that sees no key).
 
   ``pt_ref``: the paged form, k/v refs are page pools (N, BLOCK_KV, K, D) and key block j of sequence b is page
   ``pt_ref[b, j]`` (the same blocks in the same order: the same bits as the dense form).
