@@ -85,16 +85,31 @@ def test_kernel_path_in_a_jitted_loop_equals_scatters(monkeypatch):
     np.testing.assert_array_equal(_bits(g), _bits(w))
 
 
+def _fp8_sampler_run(params_seed: int, sampling_seed: int):
+  """-> run(decode_chunk): a small model's sampler with an FP8 paged cache (3 slots, 3 prompts x 2 samples: refills
+  inside the decode loop) generating with fixed KV scales. Each decode_chunk compiles new programs (jit caches key
+  on the sampler's configs); the results do not depend on it."""
+  cfg = ModelConfig(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256)
+  params = smp.prepare_params(llama.init_params(cfg, seed=params_seed, std=0.1), quant.Recipe())
+  scfg = smp.SamplerConfig(slots=3, max_len=48, kv_cache="fp8", decode_chunk=4)
+  prompts = [[1, 2, 3], list(range(5, 25)), [7] * 9]
+  sp = smp.SamplingParams(temperature=1.0, max_new_tokens=10, seed=sampling_seed)
+  scales = (jnp.asarray([0.02, 0.03]), jnp.asarray([0.025, 0.015]))
+  return lambda decode_chunk: smp.Sampler(cfg, dataclasses.replace(scfg, decode_chunk=decode_chunk)).generate(
+      params, prompts, sp, n=2, kv_scales=scales)
+
+
+def _assert_same_samples(got, want):
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.logprobs, want.logprobs)
+  np.testing.assert_array_equal(got.lengths, want.lengths)
+
+
 def test_sampler_with_the_write_kernel_equals_scatters(monkeypatch):
   """The sampler with the write kernel (interpret mode; ``gqa`` picks it as on a GPU): prefill, the jitted decode
   loop and its refills (6 requests on 3 slots), FP8 KV cache: the scatter path's tokens and log-probs exactly."""
-  cfg = ModelConfig(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256)
-  params = smp.prepare_params(llama.init_params(cfg, seed=1, std=0.1), quant.Recipe())
-  scfg = smp.SamplerConfig(slots=3, max_len=48, kv_cache="fp8", decode_chunk=4)
-  prompts = [[1, 2, 3], list(range(5, 25)), [7] * 9]
-  sp = smp.SamplingParams(temperature=1.0, max_new_tokens=10, seed=3)
-  scales = (jnp.asarray([0.02, 0.03]), jnp.asarray([0.025, 0.015]))
-  want = smp.Sampler(cfg, scfg).generate(params, prompts, sp, n=2, kv_scales=scales)
+  run = _fp8_sampler_run(1, 3)
+  want = run(4)
   calls, kernel = [], kv_write.paged_write
 
   def interpreted(*args, **kwargs):
@@ -103,14 +118,10 @@ def test_sampler_with_the_write_kernel_equals_scatters(monkeypatch):
 
   monkeypatch.setattr(kv_write, "paged_write", interpreted)
   monkeypatch.setattr(gqa, "_write_kernel", lambda cfg, lcfg, q, pool, k, page_table: page_table is not None)
-  # another decode_chunk: new programs (jit caches key on the sampler's configs); results do not depend on it
-  got = smp.Sampler(cfg, dataclasses.replace(scfg, decode_chunk=5)).generate(params, prompts, sp, n=2,
-                                                                             kv_scales=scales)
+  got = run(5)  # another decode_chunk: new programs, which trace the kernel path
   assert calls  # the kernel path was traced
   assert want.stats["decode_steps"] > 10  # refills happened inside the loop
-  np.testing.assert_array_equal(got.tokens, want.tokens)
-  np.testing.assert_array_equal(got.logprobs, want.logprobs)
-  np.testing.assert_array_equal(got.lengths, want.lengths)
+  _assert_same_samples(got, want)
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["scatters", "kernel"])
@@ -138,13 +149,8 @@ def test_sampler_with_a_pair_ordered_cache_equals_natural(monkeypatch):
   """The sampler with its FP8 cache in pair order (as on a GPU with the attention kernels; here the reference
   attention reads it back in natural order): prefill, the decode loop with refills: the natural cache's tokens and
   log-probs exactly, and the cache it attends over is pair-ordered."""
-  cfg = ModelConfig(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256)
-  params = smp.prepare_params(llama.init_params(cfg, seed=2, std=0.1), quant.Recipe())
-  scfg = smp.SamplerConfig(slots=3, max_len=48, kv_cache="fp8", decode_chunk=4)
-  prompts = [[1, 2, 3], list(range(5, 25)), [7] * 9]
-  sp = smp.SamplingParams(temperature=1.0, max_new_tokens=10, seed=4)
-  scales = (jnp.asarray([0.02, 0.03]), jnp.asarray([0.025, 0.015]))
-  want = smp.Sampler(cfg, scfg).generate(params, prompts, sp, n=2, kv_scales=scales)
+  run = _fp8_sampler_run(2, 4)
+  want = run(4)
   seen, attend = [], attn.attend
 
   def spy(*args, pair_ordered=False, **kwargs):
@@ -154,12 +160,9 @@ def test_sampler_with_a_pair_ordered_cache_equals_natural(monkeypatch):
   monkeypatch.setattr(smp.Sampler, "_pair_ordered", lambda self, kv_cache: kv_cache == "fp8")
   monkeypatch.setattr(attn, "attend", spy)
   jax.clear_caches()  # retrace: an earlier test may have compiled the same step (the spy sees traces only)
-  got = smp.Sampler(cfg, dataclasses.replace(scfg, decode_chunk=5)).generate(params, prompts, sp, n=2,
-                                                                             kv_scales=scales)
+  got = run(5)
   assert seen and all(seen)
-  np.testing.assert_array_equal(got.tokens, want.tokens)
-  np.testing.assert_array_equal(got.logprobs, want.logprobs)
-  np.testing.assert_array_equal(got.lengths, want.lengths)
+  _assert_same_samples(got, want)
 
 
 def test_bad_operands_are_named():
