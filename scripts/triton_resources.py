@@ -2,9 +2,9 @@
 
   python3 scripts/triton_resources.py [--kernel decode|decode_shared|seq] [--kv fp8|bf16] [--sass_out DIR]
 
-Lowers the kernel's pallas_call for an abstract H200 (as tests/test_attention.py does), takes the Triton module that
-jax's Pallas Triton lowering builds, and compiles it with the pinned ``triton`` package (its own ptxas) for sm_90
-with the kernel's num_warps / num_stages. Prints, per Triton kernel of the call: registers per thread, spill stack,
+Lowers the kernel's pallas_call for an abstract H200 (``pallas_kernels.lowering``, as the CPU lowering tests do),
+takes the Triton module that jax's Pallas Triton lowering builds, and compiles it with the pinned ``triton`` package
+(its own ptxas) for sm_90 with the kernel's num_warps / num_stages. Prints, per Triton kernel of the call: registers per thread, spill stack,
 dynamic shared memory, how many programs (of the kernel's warps) fit on one SM by registers and by shared memory
 (or that the kernel exceeds the per-block limit and cannot launch), and the most frequent SASS opcodes (static
 count, not executed).
