@@ -162,9 +162,9 @@ def store_layer(cache: KVCache, layer: int, k_new_BxTxHxD, v_new_BxTxHxD, positi
   kernels run, ``fp8jax.model.gqa``); it reads the layer's FP8 scales from the cache's (L,) arrays, so no per-layer
   op builds its operands."""
   pt, fp8 = cache.page_table, cache.is_fp8
-  if cache.pair_ordered:  # a permutation of the new rows' head dims, before the (elementwise) quantization
-    k_new_BxTxHxD, v_new_BxTxHxD = pair_order(k_new_BxTxHxD), pair_order(v_new_BxTxHxD)
   if not kernel or pt is None:
+    if cache.pair_ordered:  # a permutation of the new rows' head dims, before the (elementwise) quantization
+      k_new_BxTxHxD, v_new_BxTxHxD = pair_order(k_new_BxTxHxD), pair_order(v_new_BxTxHxD)
     sk, sv = (cache.k_scale_L[layer], cache.v_scale_L[layer]) if fp8 else (None, None)
     return (store(cache.k[layer], k_new_BxTxHxD, sk, positions_BxT, pt),
             store(cache.v[layer], v_new_BxTxHxD, sv, positions_BxT, pt))
@@ -174,7 +174,7 @@ def store_layer(cache: KVCache, layer: int, k_new_BxTxHxD, v_new_BxTxHxD, positi
   h, d = k_new_BxTxHxD.shape[-2:]
   scales = dict(k_scale_L=cache.k_scale_L, v_scale_L=cache.v_scale_L, layer=layer) if fp8 else {}
   return kv_write.paged_write(kp, vp, k_new_BxTxHxD.reshape(-1, h, d), v_new_BxTxHxD.reshape(-1, h, d),
-                              page.reshape(-1), offset.reshape(-1), **scales)
+                              page.reshape(-1), offset.reshape(-1), pair_ordered=cache.pair_ordered, **scales)
 
 
 def _page_offsets(pool, positions_BxT, page_table):

@@ -34,25 +34,33 @@ def unsupported(pool, new) -> str | None:
   return None
 
 
-def _kernel(page_ref, off_ref, *refs, layer: int, fp8: bool, native_cast: bool):
+def _kernel(page_ref, off_ref, *refs, layer: int, fp8: bool, pair_ordered: bool, native_cast: bool):
   sk_ref, sv_ref, kn_ref, vn_ref, _k_in, _v_in, k_ref, v_ref = refs if fp8 else (None, None, *refs)
   i = pl.program_id(0)
   page, off = page_ref[i], off_ref[i]
+  d = kn_ref.shape[-1]
+  # (source columns of the new row, destination columns of the pool row): the whole row, or for a pair-ordered
+  # pool each head-dim half into every other column (dim j of half 0 at 2j, of half 1 at 2j + 1: ``pair_order``).
+  pieces = ((pl.ds(0, d // 2), pl.ds(0, d // 2, stride=2)), (pl.ds(d // 2, d // 2), pl.ds(1, d // 2, stride=2))
+            ) if pair_ordered else ((slice(None), slice(None)),)
 
   @pl.when((page >= 0) & (page < k_ref.shape[0]))
   def _():
     for new_ref, out_ref, s_ref in ((kn_ref, k_ref, sk_ref), (vn_ref, v_ref, sv_ref)):
-      x = new_ref[i]
-      if fp8:  # quantize_kv: codes of x * (1 / scale), the quantizer's rounding
-        x = quant.to_e4m3(x.astype(jnp.float32) * quant.reciprocal(s_ref[layer]), native_cast=native_cast)
-      out_ref[page, off] = x.astype(out_ref.dtype)
+      for src, dst in pieces:
+        x = new_ref[i, :, src]
+        if fp8:  # quantize_kv: codes of x * (1 / scale), the quantizer's rounding (elementwise: any columns)
+          x = quant.to_e4m3(x.astype(jnp.float32) * quant.reciprocal(s_ref[layer]), native_cast=native_cast)
+        out_ref[page, off, :, dst] = x.astype(out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layer", "pair_ordered", "interpret"))
 def paged_write(k_pool, v_pool, k_new_NxHxD, v_new_NxHxD, page_N, offset_N, k_scale_L=None, v_scale_L=None, *,
-                layer: int = 0, interpret: bool = False):
+                layer: int = 0, pair_ordered: bool = False, interpret: bool = False):
   """-> (k_pool, v_pool) with row i of the new K/V at offset_N[i] of page page_N[i] (a page outside the pool:
-  dropped, as the scatter's mode="drop" does).
+  dropped, as the scatter's mode="drop" does). ``pair_ordered``: the pools hold head dims in pair order
+  (``pallas_kernels.attention.pair_order``, the sampler's FP8 cache); the new rows come in natural order and the
+  kernel writes them permuted (no XLA transpose of the new rows before it).
 
   Pools (pages, P, H, D), BF16 or float8_e4m3fn; for FP8, ``k_scale_L`` / ``v_scale_L`` are the cache's per-layer
   FP32 scales (L,) and ``layer`` this pool's layer (the arrays are read as they are: no op per layer builds the
@@ -71,7 +79,7 @@ def paged_write(k_pool, v_pool, k_new_NxHxD, v_new_NxHxD, page_N, offset_N, k_sc
   scales = (k_scale_L.astype(jnp.float32), v_scale_L.astype(jnp.float32)) if fp8 else ()
   n = 2 + len(scales) + 2
   return pl.pallas_call(
-      functools.partial(_kernel, layer=layer, fp8=fp8, native_cast=not interpret),
+      functools.partial(_kernel, layer=layer, fp8=fp8, pair_ordered=pair_ordered, native_cast=not interpret),
       out_shape=(jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)),
       grid=(page_N.shape[0],),
       input_output_aliases={n: 0, n + 1: 1},

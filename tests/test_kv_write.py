@@ -182,18 +182,22 @@ def test_kernel_lowers_for_cuda():
   S = jax.ShapeDtypeStruct
   pool = S((2368, 128, 8, 128), quant.FP8_DTYPE)
   new, idx, scales = S((256, 8, 128), jnp.bfloat16), S((256,), jnp.int32), S((32,), jnp.float32)
-  fn = functools.partial(kv_write.paged_write, layer=7)
-  text = lower_for_h200(fn, pool, pool, new, new, idx, idx, scales, scales)
-  assert "triton" in text and "fp8jax_kv_write" in text
+  for pair_ordered in (False, True):
+    fn = functools.partial(kv_write.paged_write, layer=7, pair_ordered=pair_ordered)
+    text = lower_for_h200(fn, pool, pool, new, new, idx, idx, scales, scales)
+    assert "triton" in text and "fp8jax_kv_write" in text
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not attn._gpu_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_gpu_kernel_equals_store_bitwise(fp8):
-  """Compiled (native E4M3 cast): bitwise the XLA scatters, at a decode step's and a prefill's rows."""
+@pytest.mark.parametrize("fp8,pair_ordered", [(False, False), (True, False), (True, True)],
+                         ids=["bf16", "fp8", "fp8_pair_ordered"])
+def test_gpu_kernel_equals_store_bitwise(fp8, pair_ordered):
+  """Compiled (native E4M3 cast; strided stores for a pair-ordered pool): bitwise the XLA scatters, at a decode
+  step's and a prefill's rows."""
   for b, t in ((64, 1), (4, 33)):
     cache, (kn, vn), pos = _case(b + t, b, t, fp8, n_pages=4 * b + 8)
+    cache = dataclasses.replace(cache, pair_ordered=pair_ordered)
     for layer in (0, 2):
       want = jax.jit(lambda c: kvc.store_layer(c, layer, kn, vn, pos))(cache)
       got = jax.jit(lambda c: kvc.store_layer(c, layer, kn, vn, pos, kernel=True))(cache)
