@@ -26,6 +26,7 @@ GEMMs: with ``+bf16 +xla_norm`` and cudnn attention, the BF16 recipe without any
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -183,6 +184,90 @@ def decode_rows(slots=256, max_len=1536, mean_ctx=1024):
         r["err_vs_xla"] = rel_err(outs[r["impl"]], outs["xla_whole_cache"])
       log(json.dumps(r))
   return rows, bw
+
+
+def rollout_decode_operands(prompts=16, samples=16, prompt_len=512, own_len=512, max_own=1024, key=None):
+  """One layer of the sampler's decode at the rollout's shape: a paged FP8 cache in pair order (random codes x30,
+  scale 1/30), ``prompts`` prompts of ``prompt_len`` tokens whose pages their ``samples`` slots share (the blocks
+  below the one holding the last prompt token, as ``fp8jax.sampler`` lays them out), each slot ``own_len`` tokens
+  past its prompt on its own pages -> (q, k pool, v pool, pos, page table, shared blocks, scale, live bytes: each
+  shared page counted once, as the prefix pass reads it)."""
+  page = ref.BLOCK_KV
+  slots = prompts * samples
+  shared = (prompt_len - 1) // page
+  pos = prompt_len - 1 + own_len
+  n_own = -(-(prompt_len + max_own) // page) - shared  # own blocks a slot needs at the longest
+  table = np.zeros((slots, shared + n_own), np.int32)
+  for s in range(slots):
+    table[s, :shared] = (s // samples) * shared + np.arange(shared)
+    table[s, shared:] = prompts * shared + s * n_own + np.arange(n_own)
+  n_pages = prompts * shared + slots * n_own
+  k1, k2, k3 = jax.random.split(jax.random.key(5) if key is None else key, 3)
+  kp, vp = ((jax.random.normal(k, (n_pages, page, KV, D), jnp.float32) * 30).astype(jnp.float8_e4m3fn)
+            for k in (k1, k2))
+  q = jax.random.normal(k3, (slots, H, D), jnp.bfloat16)
+  own_blocks = pos // page + 1 - shared
+  live = (prompts * shared + slots * own_blocks) * page * KV * D * 2
+  return (q, kp, vp, jnp.full((slots,), pos, jnp.int32), jnp.asarray(table), jnp.full((slots,), shared, jnp.int32),
+          jnp.float32(1 / 30), live)
+
+
+def _cfg_diff(cfg) -> str:
+  """A tuning config as its fields that differ from the default ("default" if none)."""
+  import dataclasses  # noqa: PLC0415
+  d = type(cfg)()
+  diff = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(d, f.name)]
+  return " ".join(diff) or "default"
+
+
+def rollout_decode_configs():
+  """Decode-pass and shared-prefix-pass settings timed by ``--rollout_decode`` (the default first)."""
+  from pallas_kernels import attention_triton as kern  # noqa: PLC0415
+  TC = kern.TuningConfig
+  return [TC(), TC(decode_num_stages=2), TC(decode_num_warps=2), TC(prefix_block_q=16), TC(prefix_num_stages=3)]
+
+
+def rollout_decode_rows(own_lens=(128, 512, 1024), shapes=((16, 16, 512),)):
+  """The sampler's decode attention at the rollout's shape (shared prompt pages, FP8 pair-ordered cache), for each
+  config of ``rollout_decode_configs`` and own length: CUPTI time of the whole call (prefix pass + decode pass), and
+  the decode pass alone over every block (``shared_blocks=None``); outputs checked bitwise against the default."""
+  from pallas_kernels import attention_triton as kern  # noqa: PLC0415
+  bw = _copy_bandwidth()
+  rows = []
+  for (prompts, samples, prompt_len), own in itertools.product(shapes, own_lens):
+    q, kp, vp, pos, table, shared, sc, live = rollout_decode_operands(prompts, samples, prompt_len, own)
+    qs, vs = attn._scales(D, sc, sc)
+    base = {}
+    for cfg in rollout_decode_configs():
+      row = {"shape": f"{prompts}x{samples}x{prompt_len}", "own_len": own, "config": _cfg_diff(cfg), "live_gb": live / 1e9}
+      try:
+        for name, sb in (("shared", shared), ("plain", None)):
+          fn = lambda q, kp, vp, p, t, sb=sb, c=cfg: kern.attention_heads(  # noqa: E731
+              q, kp, vp, p, qs, vs, t, sb, config=c, pair_ordered=True)
+          ms, out = jax_time_ms(fn, [(q, kp, vp, pos, table)], iters=10)
+          row[f"{name}_us"] = ms * 1e3
+          out = np.asarray(out)
+          base.setdefault(name, out)
+          row[f"{name}_bitwise_default"] = bool(np.array_equal(out, base[name]))
+        row["shared_eq_plain"] = bool(np.array_equal(base["shared"], base["plain"]))  # the prefix pass's promise
+        row["shared_frac_of_copy_bw"] = live / (row["shared_us"] * 1e-6) / 1e9 / bw
+      except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[:300]
+        log(f"  rollout decode {cfg} failed:", traceback.format_exc()[-1500:])
+      rows.append(row)
+      log(json.dumps(row))
+  return rows, bw
+
+
+def ncu_rollout_decode(own_len=512, iters=3):
+  """The default decode call at the rollout's shape, ``iters`` times, for Nsight Compute (no timing harness)."""
+  from pallas_kernels import attention_triton as kern  # noqa: PLC0415
+  q, kp, vp, pos, table, shared, sc, _ = rollout_decode_operands(own_len=own_len)
+  qs, vs = attn._scales(D, sc, sc)
+  f = jax.jit(lambda q, kp, vp, p, t, sb: kern.attention_heads(q, kp, vp, p, qs, vs, t, sb, pair_ordered=True))
+  for _ in range(iters):
+    jax.block_until_ready(f(q, kp, vp, pos, table, shared))
+  return 0
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -353,6 +438,12 @@ def main():
   p.add_argument("--train_step", action="store_true")
   p.add_argument("--sweep", action="store_true", help="tile / pipeline configs side by side (and their bits)")
   p.add_argument("--sweep_set", default="tiles", help="tiles (sweep_configs)")
+  p.add_argument("--rollout_decode", action="store_true",
+                 help="decode attention at the rollout's shape (shared prompt pages), per decode / prefix config")
+  p.add_argument("--own_lens", default="128,512,1024", help="--rollout_decode: tokens past the prompt per slot")
+  p.add_argument("--rollout_shapes", default="16x16x512,8x32x512,16x16x2048",
+                 help="--rollout_decode: prompts x samples x prompt tokens (slots = prompts x samples)")
+  p.add_argument("--ncu_target", action="store_true", help="run the rollout-shaped decode call for ncu, untimed")
   p.add_argument("--seqs", type=int, default=8)
   p.add_argument("--seq_len", type=int, default=4096)
   p.add_argument("--layers", type=int, default=2)
@@ -363,6 +454,8 @@ def main():
   if a._child:
     print("CHILD " + json.dumps(_train_step_child(a._child, a.seqs, a.seq_len, a.layers)), flush=True)
     return 0
+  if a.ncu_target:
+    return ncu_rollout_decode()
   log("device:", jax.devices()[0].device_kind, "| jax", jax.__version__, "| date", time.strftime("%Y-%m-%d %H:%M:%S"))
   result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d")}
   if a.sweep:
@@ -375,6 +468,17 @@ def main():
               f"{fmt(r.get('decode_fp8_gbps')):>12s} {fmt(r.get('decode_bf16_gbps')):>13s} "
               f"{str(r.get('bitwise_decode_eq_train', '-')):>7s}  {r['config']}" + (" ERROR" if "error" in r else "")
               for r in rows]
+  elif a.rollout_decode:
+    shapes = [tuple(int(x) for x in c.split("x")) for c in a.rollout_shapes.split(",")]
+    rows, bw = rollout_decode_rows(tuple(int(x) for x in a.own_lens.split(",")), shapes)
+    result["rollout_decode"], result["copy_gbps"] = rows, bw
+    name = "attention_rollout_decode.json"
+    table = [f"rollout decode (prompts x samples x prompt tokens), FP8 pair-ordered pages; copy bw {bw:.0f} GB/s",
+             f"{'shape':>12s} {'own':>5s} {'shared us':>9s} {'of bw':>6s} {'plain us':>9s} {'bits':>5s}  config"]
+    table += [f"{r['shape']:>12s} {r['own_len']:5d} {fmt(r.get('shared_us'), '{:.1f}'):>9s} "
+              f"{fmt(r.get('shared_frac_of_copy_bw'), '{:.2f}'):>6s} {fmt(r.get('plain_us'), '{:.1f}'):>9s} "
+              f"{str(r.get('shared_bitwise_default', '-') and r.get('plain_bitwise_default', '-'))[:5]:>5s}  "
+              f"{r['config']}" + (" ERROR" if "error" in r else "") for r in rows]
   elif a.train_step:
     result["train_step"] = rows = train_step_rows(a.seqs, a.seq_len, a.layers, a.impls.split(","))
     name = "attention_train_step.json"
