@@ -10,7 +10,7 @@ whose log-probs are bitwise equal.
 ``sampler.prepare_params``; a prefill of the first length / 2 tokens into a KV cache, then one token per step through
 ``llama.forward`` with the cache, as the sampler's decode step calls it). While each step is traced, the blocks
 ``llama.decoder_layer`` calls are wrapped so that their outputs become outputs of the step: every layer's norms,
-attention output, MLP output and residual stream, the final norm, and the head's log-prob. For each tensor: the
+attention output, MLP output and the residual stream entering each norm, the final norm, and the head's log-prob. For each tensor: the
 fraction of decode rows bitwise equal to the training rows and the max |difference|; the first tensor that differs
 is where the engines part. Wrapping makes the blocks' outputs materialize, which can change XLA's fusions a little
 against the real steps (``sampler_vs_trainer`` measures those).
@@ -98,10 +98,10 @@ def _spy(name, fn, pick):
 def _spies():
   """Wrap the blocks ``llama.decoder_layer`` calls (module attributes, looked up at trace time); restored after."""
   first = lambda out: out[0]  # noqa: E731
-  targets = [(llama, "rms_norm", "norm", None), (gqa, "attention", "attention", first),
+  targets = [(llama, "add_rms_norm", "norm", lambda out: out[1]), (gqa, "attention", "attention", first),
              (mla, "attention", "attention", first), (llama, "mlp", "mlp", None),
              (llama, "moe", "moe", first), (llama, "moe", "moe experts", lambda out: out[1].expert_ids_BxTxK),
-             (llama, "decoder_layer", "residual", first)]
+             (llama, "add_rms_norm", "residual", first)]
   saved = [(mod, n, getattr(mod, n)) for mod, n, _, _ in targets]
   try:
     for mod, n, label, pick in targets:  # a block listed twice is wrapped twice (both outputs captured)

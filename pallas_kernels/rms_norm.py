@@ -22,6 +22,7 @@ reference and logs it); any number of rows (padded with zero rows to the tile he
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -79,28 +80,65 @@ def unsupported(x) -> str | None:
   return None
 
 
+def residual_add(x, h):
+  """The residual stream's add ``x + h`` in x's dtype, written out: the FP32 sum of the two values rounded once to
+  x's dtype. For BF16 that is the correctly rounded BF16 sum (the FP32 add of two BF16 values is exact unless their
+  exponents differ by more than 16, and then the smaller one is far below half a BF16 ulp), i.e. what ``x + h``
+  gives on every backend; the kernel and the reference path compute it the same way."""
+  return (x.astype(jnp.float32) + h.astype(jnp.float32)).astype(x.dtype)
+
+
+def add_rms_norm_reference(x, h, w, eps: float):
+  """(x + h, RMSNorm(x + h)): the fused kernel's reference (whole arrays)."""
+  s = residual_add(x, h)
+  return s, rms_rows(s, w, eps)
+
+
 def _kernel(x_ref, w_ref, o_ref, *, eps: float):
   o_ref[...] = rms_rows(x_ref[...], w_ref[...], eps)
+
+
+def _add_kernel(x_ref, h_ref, w_ref, s_ref, o_ref, *, eps: float):
+  s = residual_add(x_ref[...], h_ref[...])
+  s_ref[...] = s
+  o_ref[...] = rms_rows(s, w_ref[...], eps)  # the same tile and body as _kernel on the stored sum: the same bits
+
+
+def _launch(kernel, rows: list, w, eps: float, n_out: int, interpret: bool):
+  """One program per ``rows_per_tile(D)`` rows of the (..., D) arrays ``rows`` (zero rows pad the last tile)."""
+  x = rows[0]
+  why = unsupported(x)
+  if why is not None:
+    raise ValueError(f"rms_norm kernel: {why}")
+  *lead, d = x.shape
+  m, r = math.prod(lead), rows_per_tile(d)
+  mp = -(-max(m, 1) // r) * r
+  args = [jnp.pad(a.reshape(-1, d), ((0, mp - m), (0, 0))) for a in rows]
+  spec = pl.BlockSpec((r, d), lambda i: (i, 0))
+  outs = pl.pallas_call(
+      functools.partial(kernel, eps=eps),
+      out_shape=[jax.ShapeDtypeStruct((mp, d), x.dtype)] * n_out,
+      grid=(mp // r,),
+      in_specs=[spec] * len(rows) + [pl.BlockSpec((1, d), lambda i: (0, 0))],
+      out_specs=[spec] * n_out,
+      compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+      interpret=interpret,
+  )(*args, w.reshape(1, d))
+  return [o[:m].reshape(x.shape) for o in outs]
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
 def rms_norm(x, w, eps: float, *, interpret: bool = False):
   """RMSNorm of ``x`` (..., D) by ``w`` (D,): the reference's math, one fixed tile per ``rows_per_tile(D)`` rows."""
-  why = unsupported(x)
-  if why is not None:
-    raise ValueError(f"rms_norm kernel: {why}")
-  *lead, d = x.shape
-  x2 = x.reshape(-1, d)
-  m, r = x2.shape[0], rows_per_tile(d)
-  mp = -(-max(m, 1) // r) * r
-  x2 = jnp.pad(x2, ((0, mp - m), (0, 0)))
-  out = pl.pallas_call(
-      functools.partial(_kernel, eps=eps),
-      out_shape=jax.ShapeDtypeStruct((mp, d), x.dtype),
-      grid=(mp // r,),
-      in_specs=[pl.BlockSpec((r, d), lambda i: (i, 0)), pl.BlockSpec((1, d), lambda i: (0, 0))],
-      out_specs=pl.BlockSpec((r, d), lambda i: (i, 0)),
-      compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-      interpret=interpret,
-  )(x2, w.reshape(1, d))
-  return out[:m].reshape(x.shape)
+  return _launch(_kernel, [x], w, eps, 1, interpret)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def add_rms_norm(x, h, w, eps: float, *, interpret: bool = False):
+  """(s, RMSNorm(s)) for s = x + h (``residual_add``), both (..., D) in x's dtype: the residual add fused into the
+  norm's kernel (one launch instead of an XLA add and the norm). The norm's rows are ``rms_norm(s)``'s bits: the
+  same tile and body run on the same sum."""
+  if h.shape != x.shape or h.dtype != x.dtype:
+    raise ValueError(f"add_rms_norm: x {x.shape} {x.dtype} and h {h.shape} {h.dtype} must match")
+  s, y = _launch(_add_kernel, [x, h], w, eps, 2, interpret)
+  return s, y

@@ -4,7 +4,7 @@
 
 ``fp8jax.one_engine.block_divergence`` for each recipe (read its module docstring): the trainer's forward and the
 sampler's prefill + decode path run the same random tokens; for every block's output (norms, attention, MLP,
-residual stream per layer, final norm, the head's log-prob) the fraction of decode rows bitwise equal to the
+residual stream entering each norm, final norm, the head's log-prob) the fraction of decode rows bitwise equal to the
 training rows and the max |difference|. The first tensor that differs is where the engines part.
 """
 

@@ -155,6 +155,27 @@ def test_gradients_flow_to_master_weights(params):
     assert float(jnp.abs(g["layers"][1][name]).max()) > 0
 
 
+def test_remat_path_is_the_deferred_residual_adds_bitwise(params):
+  """Without remat the residual add after a layer runs inside the next norm (the sampler's decode always takes that
+  path); under remat each layer ends with the add itself. Same sums, same norms: hidden states, the residual stream
+  and the gradients bit for bit."""
+  import dataclasses  # noqa: PLC0415
+  toks = tokens(2, 12, 9)
+  p8 = quant.mark_fp8(params, FP8)
+
+  def run(cfg):
+    def loss(p):
+      h, _, aux = forward(p, toks, cfg, residuals=True)
+      return jnp.mean(logits(p, h, cfg) ** 2), (h, aux.residuals)
+    return fp8jax.jit(jax.value_and_grad(loss, has_aux=True))(p8)
+
+  (la, (ha, ra)), ga = run(CFG)
+  (lb, (hb, rb)), gb = run(dataclasses.replace(CFG, remat=True))
+  assert len(ra) == CFG.n_layers + 1
+  for a, b in zip([la, ha, *ra, *jax.tree.leaves(ga)], [lb, hb, *rb, *jax.tree.leaves(gb)]):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_config_errors_name_the_key():
   with pytest.raises(ValueError, match="n_kv_heads"):
     ModelConfig(vocab_size=8, dim=128, n_layers=1, n_heads=3, n_kv_heads=2, head_dim=64, ffn_dim=128)
@@ -221,7 +242,8 @@ from types import SimpleNamespace
 from fp8jax.model import layers
 from pallas_kernels import rms_norm as norm_ref
 layers._norm_backend = lambda requested, x: "pallas"
-layers._norm_kernel = lambda: SimpleNamespace(rms_norm=norm_ref.rms_norm_reference)
+layers._norm_kernel = lambda: SimpleNamespace(rms_norm=norm_ref.rms_norm_reference,
+                                              add_rms_norm=norm_ref.add_rms_norm_reference)
 cfg = ModelConfig(vocab_size=256, dim=256, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=128, ffn_dim=512,
                   attn_backend="xla", qk_norm=True)
 mesh = Mesh(np.asarray(jax.devices()).reshape(1, 2, 1, 2), sharding.AXES)

@@ -23,9 +23,10 @@ PROMPTS = [np.random.default_rng(i).integers(0, 512, size=8 + 5 * i).tolist() fo
 def test_blocks_agree_cpu(recipe):
   rows = one_engine.block_divergence(CFG, one_engine.recipes()[recipe], rows=4, length=24)
   names = [r["tensor"] for r in rows]
-  # every block of both layers is compared, in call order, and the head last
-  assert names[:5] == ["norm[0]", "attention[0]", "norm[1]", "mlp[0]", "residual[0]"], names
-  assert names[-2:] == ["norm[4]", "head log-prob"], names
+  # every block of both layers is compared, in call order (each norm with the residual stream it adds up and
+  # normalizes: the embeddings first), and the head last
+  assert names[:6] == ["norm[0]", "residual[0]", "attention[0]", "norm[1]", "residual[1]", "mlp[0]"], names
+  assert names[-3:] == ["norm[4]", "residual[4]", "head log-prob"], names
   for r in rows:
     assert r["rows_bitwise"] == 1.0 and r["max_abs_diff"] == 0.0, r
 
@@ -73,6 +74,18 @@ def test_sampler_vs_trainer_exact_gpu(recipe):
   cfg = one_engine.model_config(1024, 2, 32768)
   prompts = [np.random.default_rng(i).integers(0, 32768, size=8 + 3 * i).tolist() for i in range(16)]
   m = one_engine.sampler_vs_trainer(cfg, one_engine.recipes()[recipe], prompts, slots=32, samples=2, max_new=32)
+  assert m["token_mult_prob_error"] == 1.0 and m["bitwise_equal_frac"] == 1.0, m
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 GPU (the Pallas kernels)")
+def test_sampler_vs_trainer_exact_gpu_with_a_remat_trainer():
+  """The recipes' trainer rematerializes its layers, which ends each layer with the residual add (XLA) where the
+  sampler adds inside the next norm's kernel: still every log-prob bitwise (FP8 + FP8 KV)."""
+  import dataclasses  # noqa: PLC0415
+  cfg = dataclasses.replace(one_engine.model_config(1024, 2, 32768), remat=True)
+  prompts = [np.random.default_rng(i).integers(0, 32768, size=8 + 3 * i).tolist() for i in range(16)]
+  m = one_engine.sampler_vs_trainer(cfg, one_engine.recipes()["fp8+kv"], prompts, slots=32, samples=2, max_new=32)
   assert m["token_mult_prob_error"] == 1.0 and m["bitwise_equal_frac"] == 1.0, m
 
 

@@ -1,5 +1,6 @@
 """RMSNorm: the fixed-tile Pallas kernel (pallas_kernels.rms_norm) vs its plain-jnp reference, the reference vs HF's
-formula, the model-side dispatch (fp8jax.model.layers.rms_norm) and its gradient.
+formula, the model-side dispatch (fp8jax.model.layers.rms_norm) and its gradient; the same for the residual add
+fused into the norm (``add_rms_norm``).
 
 CPU (CI): interpret mode (the kernel body on CPU), lowering for ``cuda``; GPU (``-m gpu``): the compiled kernel and
 its batch invariance (a row's bits among 1, 64 or 4096 rows)."""
@@ -120,11 +121,57 @@ def test_kernel_path_gradient_is_the_reference_gradient(monkeypatch):
   assert "norm:pallas->pallas" in ops.backend_report()
 
 
+@pytest.mark.parametrize("m", [1, 7, 130])
+@pytest.mark.parametrize("d", [64, 1024])
+def test_add_interpret_is_the_sum_and_the_norm_of_the_sum_bitwise(m, d):
+  """The fused residual add (interpret mode): s is x + h bit for bit, and its norm rows are the norm kernel's rows
+  of s bit for bit (the same tile and body), for random rows incl. NaN / inf / huge / zero ones and leading axes."""
+  x, w = _rows(m + 2 * d, m, d)
+  h, _ = _rows(m + 3 * d, m, d)
+  s, y = kern.add_rms_norm(x, h, w, EPS, interpret=True)
+  np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(x + h, np.float32))
+  np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                np.asarray(kern.rms_norm(s, w, EPS, interpret=True), np.float32))
+  s4, y4 = kern.add_rms_norm(x.reshape(1, m, 1, d), h.reshape(1, m, 1, d), w, EPS, interpret=True)
+  np.testing.assert_array_equal(np.asarray(y4, np.float32).reshape(m, d), np.asarray(y, np.float32))
+  with pytest.raises(ValueError, match="must match"):
+    kern.add_rms_norm(x, h.astype(jnp.float32), w, EPS, interpret=True)
+
+
+def test_add_rms_norm_dispatch_and_kernel_gradient(monkeypatch):
+  """``layers.add_rms_norm``: on CPU the reference add then ``rms_norm`` (h None: x as it is); on the kernel path
+  (forced, interpret mode) the same values, and the gradients of the reference's add + norm."""
+  x, w = _rows(8, 12, 128, jnp.float32)
+  x = jnp.where(jnp.isfinite(x), x, 0.0)
+  h = jax.random.normal(jax.random.key(1), x.shape)
+  s, y = layers.add_rms_norm(x, h, w, EPS)
+  np.testing.assert_array_equal(np.asarray(s), np.asarray(x + h))
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(layers.rms_norm(x + h, w, EPS)))
+  s0, y0 = layers.add_rms_norm(x, None, w, EPS)
+  assert s0 is x and np.array_equal(np.asarray(y0), np.asarray(layers.rms_norm(x, w, EPS)))
+  monkeypatch.setattr(ops, "gpu_available", lambda: True)
+  monkeypatch.setattr(layers, "_norm_kernel", lambda: types.SimpleNamespace(
+      rms_norm=functools.partial(kern.rms_norm, interpret=True),
+      add_rms_norm=functools.partial(kern.add_rms_norm, interpret=True)))
+  ks, ky = layers.add_rms_norm(x, h, w, EPS, "pallas")
+  np.testing.assert_array_equal(np.asarray(ks), np.asarray(s))
+  _close_bf16(ky, y)
+  gs, gy = jax.random.normal(jax.random.key(2), x.shape), jax.random.normal(jax.random.key(3), x.shape)
+
+  def loss(fn):
+    return lambda x_, h_, w_: jnp.sum(fn(x_, h_, w_)[0] * gs) + jnp.sum(fn(x_, h_, w_)[1] * gy)
+
+  got = jax.grad(loss(lambda *a: layers.add_rms_norm(*a, EPS, "pallas")), argnums=(0, 1, 2))(x, h, w)
+  want = jax.grad(loss(lambda *a: kern.add_rms_norm_reference(*a, EPS)), argnums=(0, 1, 2))(x, h, w)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("d", [128, 4096])
 def test_lowers_for_cuda(d):
-  txt = lower_for_h200(functools.partial(kern.rms_norm, eps=EPS), jax.ShapeDtypeStruct((300, d), jnp.bfloat16),
-                       jax.ShapeDtypeStruct((d,), jnp.float32))
-  assert "triton" in txt
+  row, wt = jax.ShapeDtypeStruct((300, d), jnp.bfloat16), jax.ShapeDtypeStruct((d,), jnp.float32)
+  assert "triton" in lower_for_h200(functools.partial(kern.rms_norm, eps=EPS), row, wt)
+  assert "triton" in lower_for_h200(functools.partial(kern.add_rms_norm, eps=EPS), row, row, wt)
 
 
 @pytest.mark.gpu
@@ -138,6 +185,20 @@ def test_gpu_matches_reference_and_rows_are_batch_invariant(d):
     idx = jnp.asarray(np.random.default_rng(m).choice(4096, m, replace=False))
     np.testing.assert_array_equal(np.asarray(kern.rms_norm(x[idx], w, EPS), np.float32),
                                   np.asarray(full[idx], np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ops.gpu_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [128, 4096])
+def test_gpu_add_is_the_sum_and_the_norm_of_the_sum_bitwise(d):
+  """Compiled: the fused kernel's sum is x + h and its norm rows the norm kernel's rows of that sum, bit for bit, at
+  decode and training row counts."""
+  x, w = _rows(d + 1, 4096, d)
+  h, _ = _rows(d + 2, 4096, d)
+  for m in (1, 256, 4096):
+    s, y = kern.add_rms_norm(x[:m], h[:m], w, EPS)
+    np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(x[:m] + h[:m], np.float32))
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(kern.rms_norm(s, w, EPS), np.float32))
 
 
 def test_cpu_path_equals_the_reference_and_the_trainers_rows_do_not_follow_the_batch():

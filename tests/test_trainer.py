@@ -241,7 +241,7 @@ def test_collapsed_policy_stops_the_run(tmp_path, parity_reward, monkeypatch):
   zero gradient although its advantages are not: stopped, not trained on as if the run were fine."""
   from fp8jax.model import llama  # noqa: PLC0415
 
-  monkeypatch.setattr(llama, "rms_norm", lambda x, w, eps, backend="auto", mesh=None: jnp.zeros_like(x))
+  monkeypatch.setattr(llama, "add_rms_norm", lambda x, h, w, eps, backend="auto", mesh=None: (x, jnp.zeros_like(x)))
   tr = trainer_lib.RLTrainer(small_config(), str(tmp_path))
   with pytest.raises(trainer_lib.PolicyCollapsed, match=r"RL step 1 .*gradient is exactly 0 although \d+ sequences"
                      r".*log\(vocab\) = 4\.852"):

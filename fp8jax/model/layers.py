@@ -26,11 +26,24 @@ def rms_norm(x, w, eps, backend: str = "auto", mesh=None):
   return norm_ref.rms_norm_invariant(x, w, eps)
 
 
-def _per_device(fn, mesh, x):
-  """``fn(x, w)`` per device (``sharding.per_device``), else as is: the kernel is an opaque custom call, which XLA
-  would run on gathered rows. Rows are independent, so each device normalizes its own: dim 0 over the batch axes
-  that divide it and, for a (B, T, H, D) input (QK-norm), the heads over a "tensor" axis that divides them (the
-  tensor-parallel layout of q and k)."""
+def add_rms_norm(x, h, w, eps, backend: str = "auto", mesh=None):
+  """(x + h, rms_norm(x + h)): the residual add before a pre-norm (the add ``pallas_kernels.rms_norm.residual_add``,
+  x + h in x's dtype). ``h`` None: (x, rms_norm(x)). Where ``rms_norm`` runs its kernel the add runs inside it
+  (``pallas_kernels.rms_norm.add_rms_norm``: one launch, the norm's rows bitwise ``rms_norm`` of the sum), with the
+  reference's gradient; elsewhere the reference add, then ``rms_norm``. Either way the same bits."""
+  if h is None:
+    return x, rms_norm(x, w, eps, backend, mesh)
+  if _norm_backend(backend, x) == "pallas":
+    return _per_device(lambda x_, h_, w_: _add_rms_norm_kernel(x_, h_, w_, eps), mesh, x, rows=2, outs=2)(x, h, w)
+  s = norm_ref.residual_add(x, h)
+  return s, norm_ref.rms_norm_invariant(s, w, eps)
+
+
+def _per_device(fn, mesh, x, rows: int = 1, outs: int = 1):
+  """``fn(*row_arrays, w)`` per device (``sharding.per_device``), else as is: the kernel is an opaque custom call,
+  which XLA would run on gathered rows. Rows are independent, so each device normalizes its own: dim 0 over the
+  batch axes that divide it and, for a (B, T, H, D) input (QK-norm), the heads over a "tensor" axis that divides
+  them (the tensor-parallel layout of q and k). ``rows`` / ``outs``: how many row-shaped inputs / outputs."""
   axes = sharding.split_batch_axes(mesh, x.shape[0])
   tp = sharding.tensor_axis(mesh) if x.ndim == 4 else None
   if tp is not None and x.shape[2] % mesh.shape[tp]:
@@ -39,7 +52,7 @@ def _per_device(fn, mesh, x):
     return fn
   P = jax.sharding.PartitionSpec
   spec = P(axes, *([None] * (x.ndim - 2)), None) if tp is None else P(axes, None, tp, None)
-  return sharding.per_device(fn, mesh, (spec, P()), spec)
+  return sharding.per_device(fn, mesh, (spec,) * rows + (P(),), spec if outs == 1 else (spec,) * outs)
 
 
 @functools.cache
@@ -73,6 +86,23 @@ def _rms_norm_kernel_bwd(eps, res, g):
 
 
 _rms_norm_kernel.defvjp(_rms_norm_kernel_fwd, _rms_norm_kernel_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _add_rms_norm_kernel(x, h, w, eps):
+  return tuple(_norm_kernel().add_rms_norm(x, h, w, eps))
+
+
+def _add_rms_norm_kernel_fwd(x, h, w, eps):
+  return _add_rms_norm_kernel(x, h, w, eps), (x, h, w)
+
+
+def _add_rms_norm_kernel_bwd(eps, res, g):
+  x, h, w = res
+  return jax.vjp(lambda x_, h_, w_: norm_ref.add_rms_norm_reference(x_, h_, w_, eps), x, h, w)[1](tuple(g))
+
+
+_add_rms_norm_kernel.defvjp(_add_rms_norm_kernel_fwd, _add_rms_norm_kernel_bwd)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:

@@ -29,7 +29,8 @@ from fp8jax import ops
 from fp8jax.model import head, schema
 from fp8jax.model.config import ModelConfig
 from fp8jax.model import gqa, mla
-from fp8jax.model.layers import rms_norm, rope_inv_freq
+from fp8jax.model.layers import add_rms_norm, rope_inv_freq
+from pallas_kernels.rms_norm import residual_add
 from fp8jax.model.mlp import mlp
 from fp8jax.model.moe import RouterStats, moe
 
@@ -47,24 +48,27 @@ class ForwardAux:
   residuals: tuple[jax.Array, ...] = ()  # forward(..., residuals=True): the residual stream, embeddings first
 
 
-def decoder_layer(p, x, positions_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig, inv_freq, *, layer: int, cache,
-                  kv_scales, own_positions: bool = False, router_mask_BxT=None):
-  """One pre-norm decoder layer -> (x + attn + mlp, new cache layer or None, (amax K, amax V), RouterStats or None).
+def decoder_layer(p, x, h_prev, positions_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig, inv_freq, *, layer: int,
+                  cache, kv_scales, own_positions: bool = False, router_mask_BxT=None, defer_add: bool = False):
+  """One pre-norm decoder layer -> ((x, h), new cache layer or None, (amax K, amax V), RouterStats or None).
 
+  The residual stream after the layer is x + h (``add_rms_norm``'s add): with ``defer_add`` the layer returns x and
+  its MLP output h apart, and the next layer (``h_prev``) or the final norm adds them inside its norm kernel;
+  otherwise it returns (x + h, None). ``h_prev``: the previous layer's deferred MLP output, or None.
   The MLP is the dense SwiGLU or, in MoE layers (``cfg.is_moe_layer``), the MoE block (``moe``).
   ``lcfg.out_dtype`` must already be the activation dtype (``forward`` sets it)."""
-  hn = rms_norm(x, p["attn_norm"], cfg.norm_eps, cfg.norm_backend, lcfg.mesh)
+  norm = functools.partial(add_rms_norm, eps=cfg.norm_eps, backend=cfg.norm_backend, mesh=lcfg.mesh)
+  x, hn = norm(x, h_prev, p["attn_norm"])
   attention = mla.attention if cfg.is_mla else gqa.attention
   h, new_layer, amax = attention(p, hn, positions_BxT, cfg, lcfg, inv_freq, layer=layer, cache=cache,
                                  kv_scales=kv_scales, own_positions=own_positions)
-  x = x + h
-  hn = rms_norm(x, p["mlp_norm"], cfg.norm_eps, cfg.norm_backend, lcfg.mesh)
+  x, hn = norm(x, h, p["mlp_norm"])
   stats = None
   if cfg.is_moe_layer(layer):
     h, stats = moe(p, hn, cfg, lcfg, router_mask_BxT)
   else:
     h = mlp(p, hn, lcfg)
-  return x + h, new_layer, amax, stats
+  return ((x, h) if defer_add else (residual_add(x, h), None)), new_layer, amax, stats
 
 
 def forward(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.LinearConfig(), *,
@@ -89,16 +93,23 @@ def forward(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.L
   x = params["embed"].astype(dtype)[tokens_BxT]
   inv_freq = rope_inv_freq(cfg)
 
-  def layer_fn(p, x, layer_cache, i):
-    return decoder_layer(p, x, positions_BxT, cfg, lcfg, inv_freq, layer=i, cache=layer_cache, kv_scales=kv_scales,
-                         own_positions=own_positions, router_mask_BxT=router_mask_BxT)
+  # The residual add after each layer runs inside the next norm's kernel (decoder_layer's defer_add), except under
+  # remat, where a layer's saved input would then be two activations (x and the pending h) instead of one.
+  remat = cfg.remat and cache is None
+  defer = not remat
 
-  if cfg.remat and cache is None:
-    layer_fn = jax.checkpoint(layer_fn, static_argnums=(3,))
+  def layer_fn(p, x, h, layer_cache, i):
+    return decoder_layer(p, x, h, positions_BxT, cfg, lcfg, inv_freq, layer=i, cache=layer_cache, kv_scales=kv_scales,
+                         own_positions=own_positions, router_mask_BxT=router_mask_BxT, defer_add=defer)
+
+  if remat:
+    layer_fn = jax.checkpoint(layer_fn, static_argnums=(4,))
   new_k, new_v, k_amax, v_amax, router, stream = [], [], [], [], [], [x]
+  h = None
   for i, p in enumerate(params["layers"]):
-    x, new_layer, (ka, va), stats = layer_fn(p, x, cache, i)
-    stream.append(x)
+    (x, h), new_layer, (ka, va), stats = layer_fn(p, x, h, cache, i)
+    if residuals:
+      stream.append(x if h is None else residual_add(x, h))
     k_amax.append(ka)
     v_amax.append(va)
     if stats is not None:
@@ -107,7 +118,7 @@ def forward(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.L
       new_k.append(new_layer[0])
       if new_layer[1] is not None:  # an MLA cache holds the latent only (k), no v
         new_v.append(new_layer[1])
-  x = rms_norm(x, params["final_norm"], cfg.norm_eps, cfg.norm_backend, lcfg.mesh)
+  _, x = add_rms_norm(x, h, params["final_norm"], cfg.norm_eps, cfg.norm_backend, lcfg.mesh)
   new_cache = None if cache is None else dataclasses.replace(cache, k=new_k, v=new_v)
   return x, new_cache, ForwardAux(jnp.stack(k_amax), jnp.stack(v_amax), tuple(router),
                                   tuple(stream) if residuals else ())
