@@ -104,7 +104,7 @@ def _add_kernel(x_ref, h_ref, w_ref, s_ref, o_ref, *, eps: float):
   o_ref[...] = rms_rows(s, w_ref[...], eps)  # the same tile and body as _kernel on the stored sum: the same bits
 
 
-def _launch(kernel, rows: list, w, eps: float, n_out: int, interpret: bool):
+def _launch(kernel, rows: list, w, eps: float, n_out: int, interpret: bool, name: str):
   """One program per ``rows_per_tile(D)`` rows of the (..., D) arrays ``rows`` (zero rows pad the last tile)."""
   x = rows[0]
   why = unsupported(x)
@@ -122,7 +122,7 @@ def _launch(kernel, rows: list, w, eps: float, n_out: int, interpret: bool):
       in_specs=[spec] * len(rows) + [pl.BlockSpec((1, d), lambda i: (0, 0))],
       out_specs=[spec] * n_out,
       compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-      interpret=interpret,
+      interpret=interpret, name=name,
   )(*args, w.reshape(1, d))
   return [o[:m].reshape(x.shape) for o in outs]
 
@@ -130,7 +130,7 @@ def _launch(kernel, rows: list, w, eps: float, n_out: int, interpret: bool):
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
 def rms_norm(x, w, eps: float, *, interpret: bool = False):
   """RMSNorm of ``x`` (..., D) by ``w`` (D,): the reference's math, one fixed tile per ``rows_per_tile(D)`` rows."""
-  return _launch(_kernel, [x], w, eps, 1, interpret)[0]
+  return _launch(_kernel, [x], w, eps, 1, interpret, "fp8jax_rms_norm")[0]
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
@@ -140,5 +140,5 @@ def add_rms_norm(x, h, w, eps: float, *, interpret: bool = False):
   same tile and body run on the same sum."""
   if h.shape != x.shape or h.dtype != x.dtype:
     raise ValueError(f"add_rms_norm: x {x.shape} {x.dtype} and h {h.shape} {h.dtype} must match")
-  s, y = _launch(_add_kernel, [x, h], w, eps, 2, interpret)
+  s, y = _launch(_add_kernel, [x, h], w, eps, 2, interpret, "fp8jax_add_rms_norm")
   return s, y
