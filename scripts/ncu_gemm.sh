@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Nsight Compute profile of fp8jax's FP8 GEMM kernel and cuBLAS's blockwise FP8 GEMM on one M = 8192 Llama shape
+# Nsight Compute profile of fp8jax's FP8 GEMM kernel and cuBLAS's blockwise FP8 GEMM on one Llama shape (M = 8192)
 # (what limits the kernel: pipe utilization, stalls, registers, memory). Needs ncu with hardware counters (the
 # H200 machines' Firecracker runtime has them). Clocks are left alone (--clock-control none).
-#   PYTHONPATH=. bash scripts/ncu_gemm.sh [SHAPE=o] [OUTDIR=$OUT or .]
+#   PYTHONPATH=. bash scripts/ncu_gemm.sh [SHAPE=o] [OUTDIR=$OUT or .] [M=8192]
 # Writes ncu_<shape>_{ours,cublas}.ncu-rep and ncu_<shape>_{ours,cublas}.txt (full section set, one launch each
 # after a warm-up launch) and prints the headline metrics of both.
 set -euo pipefail
 shape="${1:-o}"
 out="${2:-${OUT:-.}}"
+m="${3:-8192}"
 NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)"
 if [[ -z "$NCU" ]]; then
   echo "ncu_gemm.sh: Nsight Compute (ncu) not found on PATH or under /opt/nvidia/nsight-compute" >&2
@@ -15,7 +16,7 @@ if [[ -z "$NCU" ]]; then
 fi
 # JAX would preallocate 75% of the GPU, and ncu's kernel replay saves and restores all allocated memory per pass.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-target=("${PYTHON:-python3}" scripts/bench_gemm.py --ncu-target "$shape")
+target=("${PYTHON:-python3}" scripts/bench_gemm.py --ncu-target "$shape" --ms "$m")
 # Ours is named fp8jax_fp8_gemm (kernel_name in pallas_kernels/fp8_gemm_mgpu.py); cuBLAS's FP8 GEMMs on sm_90 are
 # nvjet_sm90_* kernels (torch 2.11 / CUDA 12.x).
 for who in ours cublas; do
