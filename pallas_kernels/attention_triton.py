@@ -69,7 +69,7 @@ class TuningConfig:
   (tests/test_attention.py) and per config by ``bench_attention.py --sweep``. block_q divides BLOCK_KV, so the rows
   of a training tile all end in the same key block. The stages only pipeline loads (speed, not bits); the
   backward's blocks are free (it recomputes P from the forward's row lse). ``prefix_block_q``: the shared-prefix
-  pass's rows (prefix_block_q / G sequences per tile).
+  pass's rows (prefix_block_q / G sequences per tile; None: ``prefix_rows``).
   """
 
   block_q: int = 128
@@ -77,7 +77,7 @@ class TuningConfig:
   num_stages: int = 3
   decode_block_q: int = 16
   decode_block_q_natural_fp8: int = 64
-  prefix_block_q: int = 16  # 4 sequences per tile at G = 4 (64: 2-7% slower at rollout shapes, the H200, session 15)
+  prefix_block_q: int | None = None  # None: PREFIX_SEQS sequences' rows (``prefix_rows``)
   prefix_num_warps: int = 4
   decode_num_warps: int = 4
   decode_num_stages: int = 3  # FP8 K/V (2 before the carriers' one-instruction conversion; 3 is faster since)
@@ -94,11 +94,23 @@ class TuningConfig:
       if getattr(self, name) not in (16, 32, 64, 128):
         raise ValueError(f"TuningConfig.{name} must be 16, 32, 64 or 128 (divide {BLOCK_KV}), got {self}")
     for name in ("block_q", "decode_block_q", "decode_block_q_natural_fp8", "prefix_block_q"):
-      if getattr(self, name) not in (16, 32, 64, 128):
+      if getattr(self, name) not in (16, 32, 64, 128) and not (name == "prefix_block_q" and self.prefix_block_q is None):
         raise ValueError(f"TuningConfig.{name} must be 16, 32, 64 or 128 (divide {BLOCK_KV}), got {self}")
     for name in ("num_warps", "decode_num_warps", "prefix_num_warps", "bwd_num_warps"):
       if getattr(self, name) not in (1, 2, 4, 8):
         raise ValueError(f"TuningConfig.{name} must be 1, 2, 4 or 8, got {getattr(self, name)}")
+
+
+# Sequences per shared-prefix tile by default: 4 (16 rows at G = 4) ran 2-7% faster than 16 (64 rows) at rollout
+# shapes on the H200 (bench_attention.py --rollout_decode, fifteenth session); fewer rows per sequence read a
+# prompt's pages once for more of its samples, more give the pass fewer, longer programs.
+PREFIX_SEQS = 4
+
+
+def prefix_rows(config: TuningConfig, g: int) -> int:
+  """Rows of a shared-prefix tile for G query heads per KV head: ``config.prefix_block_q``, or PREFIX_SEQS
+  sequences' rows (a power of two from 16, the smallest dot tile, to 128)."""
+  return config.prefix_block_q or min(128, max(16, 1 << (PREFIX_SEQS * g - 1).bit_length()))
 
 
 def unsupported(q, k) -> str | None:
@@ -506,7 +518,7 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
   ``shared_blocks_B`` (paged form only): sequence b's first shared_blocks_B[b] key blocks are pages it shares with
   every sequence of the same first page and count (the G samples of a prompt; each sees those blocks in full). A
   prefix pass then runs each group's shared blocks once, its sequences' rows together in one tile (up to
-  prefix_block_q / G sequences per tile: one read of the prefix pages, no padding rows), and the decode tiles go on
+  ``prefix_rows`` / G sequences per tile: one read of the prefix pages per tile, no padding rows), and the decode tiles go on
   from the state it leaves. Same blocks, same order, same update per row: the same bits as without it.
   ``pair_ordered``: as in ``attention_seq`` (the sampler's FP8 cache). E4M3 codes in natural order take the 64-row
   tile (``TuningConfig.decode_block_q_natural_fp8``): a smaller one would not give the training rows' bits."""
@@ -528,7 +540,7 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
     if shared_blocks_B.shape != (b,):
       raise ValueError(f"attention_heads: shared_blocks_B must be ({b},) for q {q_BxHxD.shape}, got "
                        f"{shared_blocks_B.shape}")
-    pq = config.prefix_block_q
+    pq = prefix_rows(config, g)
     if g > pq:
       raise ValueError(f"attention_heads: shared_blocks_B needs G = {g} query heads per key/value head <= "
                        f"prefix_block_q = {pq} (one tile holds whole sequences)")

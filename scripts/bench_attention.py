@@ -224,7 +224,7 @@ def rollout_decode_configs():
   """Decode-pass and shared-prefix-pass settings timed by ``--rollout_decode`` (the default first)."""
   from pallas_kernels import attention_triton as kern  # noqa: PLC0415
   TC = kern.TuningConfig
-  return [TC(), TC(decode_num_stages=2), TC(decode_num_warps=2), TC(prefix_block_q=16), TC(prefix_num_stages=3)]
+  return [TC(), TC(decode_num_stages=2), TC(decode_num_warps=2), TC(prefix_block_q=64), TC(prefix_num_stages=3)]
 
 
 def rollout_decode_rows(own_lens=(128, 512, 1024), shapes=((16, 16, 512),)):

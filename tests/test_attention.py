@@ -21,6 +21,7 @@ Error bounds (relative Frobenius norm ||out - ref|| / ||ref||):
 from __future__ import annotations
 
 import functools
+import types
 import json
 import logging
 import os
@@ -382,6 +383,29 @@ def test_attend_is_differentiable_on_the_reference():
 # ------------------------------------------------------------------------------------------------------------------
 
 
+def test_attend_sizes_the_prefix_tile_by_the_group(monkeypatch):
+  """The default shared-prefix tile holds PREFIX_SEQS sequences' rows whatever G is (G = 32 here: 128 rows); through
+  ``attend`` the pass runs and gives the plain decode's rows bit for bit."""
+  assert [kern.prefix_rows(kern.TuningConfig(), g) for g in (1, 4, 8, 32, 64)] == [16, 16, 32, 128, 128]
+  assert kern.prefix_rows(kern.TuningConfig(prefix_block_q=64), 4) == 64
+  q, k, v, table, pos, sb, _ = _prompt_groups(21, [(3, 2), (2, 1)], 1, 32, 1, 64, True)
+  seen = []
+
+  def heads(*a, config, **kw):
+    seen.append((a[7] is not None if len(a) > 7 else kw.get("shared_blocks_B") is not None,
+                 kern.prefix_rows(config, 32)))
+    return kern.attention_heads(*a, config=config, interpret=True, **kw)
+
+  monkeypatch.setattr(attn, "_kernels", lambda: types.SimpleNamespace(
+      TuningConfig=kern.TuningConfig, prefix_rows=kern.prefix_rows, attention_heads=heads))
+  monkeypatch.setattr(attn, "resolve_backend", lambda requested, q, k: "pallas")
+  kw = dict(k_scale=jnp.float32(1 / 30), v_scale=jnp.float32(1 / 30), page_table=table)
+  got = attn.attend(q[:, None], k, v, pos[:, None], shared_blocks=sb, **kw)
+  plain = attn.attend(q[:, None], k, v, pos[:, None], **kw)
+  assert seen == [(True, 128), (False, 128)], seen
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared-prefix"])
 def test_pair_ordered_cache_interpret_equals_natural_bitwise(shared):
   """The FP8 cache in pair order (read as uint16 carriers, each unpacked into the two head-dim halves) gives the
@@ -480,7 +504,7 @@ from pallas_kernels import attention as ref, attention_triton as kern
 import test_attention as t
 
 class Interpret:  # the Triton kernels in interpret mode stand in for the GPU ones
-  TuningConfig = kern.TuningConfig
+  TuningConfig, prefix_rows = kern.TuningConfig, kern.prefix_rows
   attention_seq = functools.partial(kern.attention_seq, interpret=True)
   attention_heads = functools.partial(kern.attention_heads, interpret=True)
   attention_seq_bwd = functools.partial(kern.attention_seq_bwd, interpret=True)
