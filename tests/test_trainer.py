@@ -22,22 +22,25 @@ from fp8jax.rl import trainer as trainer_lib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# configs/tiny_fp8.py shrunk for the tests. Tests that run scripts/train.py pass the same values as --config flags
+# (SMALL_FLAGS): the same shapes give the same programs, so XLA's persistent compilation cache (tests/conftest.py)
+# compiles them once for the in-process trainers and the subprocesses together.
+SMALL = {"warmstart.steps": 2, "grpo.num_prompts": 4, "grpo.num_generations": 4, "grpo.microbatch": 8,
+         "grpo.mismatch_sample": 8, "rollout.slots": 16, "train.steps": 2, "train.val_every": 100,
+         "train.val_prompts": 16, "checkpoint.every": 1}
+
+
 def small_config(**overrides):
   c = tiny_fp8.get_config()
-  c.warmstart.steps = 2
-  c.grpo.num_prompts = 4
-  c.grpo.num_generations = 4
-  c.grpo.microbatch = 8
-  c.grpo.mismatch_sample = 8
-  c.rollout.slots = 16
-  c.train.steps = 2
-  c.train.val_every = 100
-  c.train.val_prompts = 16
-  c.checkpoint.every = 1
-  for k, v in overrides.items():
+  for k, v in {**SMALL, **overrides}.items():
     group, field = k.split(".")
     c[group][field] = v
   return c
+
+
+def small_flags(**overrides) -> list[str]:
+  """small_config(**overrides) as scripts/train.py flags (with --config=configs/tiny_fp8.py)."""
+  return ["--config=configs/tiny_fp8.py"] + [f"--config.{k}={v}" for k, v in {**SMALL, **overrides}.items()]
 
 
 def small_moe_config():
@@ -313,10 +316,10 @@ def test_mistyped_override_fails_clearly():
 
 
 def test_rerun_of_a_finished_run_says_so_and_summarizes_it(tmp_path):
-  """Running the main command again in the same workdir resumes at the last step: it reports the finished run."""
-  cmd = [sys.executable, os.path.join(REPO, "scripts", "train.py"), "--config=configs/tiny_fp8.py",
-         f"--workdir={tmp_path}", "--config.warmstart.steps=2", "--config.train.steps=1",
-         "--config.train.val_prompts=8", "--config.grpo.num_prompts=2", "--config.grpo.num_generations=2"]
+  """Running the main command again in the same workdir resumes at the last step: it reports the finished run.
+  (small_config's shapes, 1 RL step: the programs are those of the in-process trainers above, compiled once.)"""
+  cmd = [sys.executable, os.path.join(REPO, "scripts", "train.py"), *small_flags(**{"train.steps": 1}),
+         f"--workdir={tmp_path}"]
   first = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
   assert first.returncode == 0, first.stderr[-3000:]
   again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
