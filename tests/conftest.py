@@ -82,19 +82,24 @@ def _drop_compiled_when_near_the_map_limit():
     _drop_compiled()
 
 
-# The longest tests (seconds on CI's 2-core machine, docs/benchmarks.md), started first: pytest-xdist's
-# worksteal scheduler hands each worker one contiguous block of the collection and later moves tests from the end
-# of a busy worker's queue, so a long test near the end of a block used to end the run alone. These are spread over
-# the blocks (the longest first, each to the block with the least of them so far) and put at the blocks' starts.
+# The longest tests (seconds in the clean-clone CI run at ef22b22 on 2 cores, docs/benchmarks.md), started first.
+# pytest-xdist's worksteal scheduler (xdist/scheduler/worksteal.py, check_schedule) sends each of the N idle workers
+# one contiguous block of the collection at the start (the first len // N items to the first worker, and so on); a
+# worker runs its block in order, and an idle worker later steals the second half of the longest queue, from its
+# end. So a long test that sorts late (test_trainer.py) started late and ended the run alone, and a test queued
+# behind a long one on its worker cannot be stolen. Here the long tests are spread over the blocks (the longest
+# first, each to the block with the least of them so far) and put at the blocks' starts: each worker starts one of
+# them at t=0. test_rerun_of_a_finished_run_says_so_and_summarizes_it is not listed any more: it runs
+# small_config's programs, compiled by the in-process trainer tests before it when it keeps its place in the order.
 _LONGEST = {
-    "tests/test_trainer.py::test_tiny_default_learns": 630,
-    "tests/test_distributed.py::test_two_process_run_equals_one_process_on_the_same_mesh": 324,
-    "tests/test_trainer.py::test_sharded_equals_unsharded_on_4_and_8_fake_devices": 226,
-    "tests/test_moe_parallel.py::test_grpo_step_with_expert_parallelism": 197,
-    "tests/test_trainer.py::test_resume_gives_the_same_metrics": 190,
-    "tests/test_trainer.py::test_moe_rl_step_with_and_without_the_load_balancing_loss": 161,
-    "tests/test_trainer.py::test_rerun_of_a_finished_run_says_so_and_summarizes_it": 150,
-    "tests/test_parity.py::test_parity_smoke_runs_the_script_and_writes_json_and_png": 127,
+    "tests/test_trainer.py::test_tiny_default_learns": 1001,
+    "tests/test_distributed.py::test_two_process_run_equals_one_process_on_the_same_mesh": 413,
+    "tests/test_trainer.py::test_sharded_equals_unsharded_on_4_and_8_fake_devices": 330,
+    "tests/test_moe_parallel.py::test_grpo_step_with_expert_parallelism": 230,
+    "tests/test_parity.py::test_parity_smoke_runs_the_script_and_writes_json_and_png": 140,
+    "tests/test_trainer.py::test_moe_rl_step_with_and_without_the_load_balancing_loss": 124,
+    "tests/test_trainer.py::test_resume_gives_the_same_metrics": 98,
+    "tests/test_moe_parallel.py::test_expert_parallel_block_is_one_device_bitwise": 79,
 }
 
 
@@ -108,6 +113,8 @@ def _block_sizes(n: int, workers: int) -> list[int]:
 
 
 def pytest_collection_modifyitems(config, items):
+  """Moves the _LONGEST tests to the starts of the worksteal blocks (above); one process: to the front, longest
+  first. Only the order changes: the same tests run."""
   del config
   longest = sorted((it for it in items if it.nodeid in _LONGEST), key=lambda it: -_LONGEST[it.nodeid])
   if not longest:
