@@ -15,6 +15,10 @@ rows whose max |x| exceeds ``SAFE_AMAX`` so that mean(x^2) cannot overflow FP32 
 where each operation is the plain formula's). The scale is built from the exponent bits (no frexp), so the body
 lowers to Triton as it is.
 
+``add_rms_norm``: the residual add before a pre-norm fused into the same kernel (x + h written out and normalized in
+one launch; the norm rows are ``rms_norm``'s of the sum, the same tile and body), which the model's decoder layers
+use (``fp8jax.model.layers.add_rms_norm``).
+
 Shapes: D a power of two from 64 to 16384 (``unsupported`` says why not otherwise; the caller then runs the
 reference and logs it); any number of rows (padded with zero rows to the tile height).
 """
