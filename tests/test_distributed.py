@@ -36,9 +36,19 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+# scripts/train.py with the tests' parity reward (test_trainer._parity_score): the 3-step warm start scores 0 on the
+# real task, which would make every advantage, loss and gradient 0 and their comparison below 0 == 0.
+TRAIN_WITH_PARITY_REWARD = (
+    "import runpy, sys; sys.path[:0] = [{repo!r}, {tests!r}]; "
+    "from fp8jax.rl import source; from test_trainer import _parity_score; "
+    "source.ArithmeticSource.score = _parity_score; sys.argv = [{script!r}] + sys.argv[1:]; "
+    "runpy.run_path({script!r}, run_name='__main__')").format(
+        repo=REPO, tests=os.path.join(REPO, "tests"), script=os.path.join(REPO, "scripts", "train.py"))
+
+
 def _train(workdir, env_extra, devices_per_process):
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}", **env_extra)
-  return subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "train.py"), *TINY, f"--workdir={workdir}"],
+  return subprocess.Popen([sys.executable, "-c", TRAIN_WITH_PARITY_REWARD, *TINY, f"--workdir={workdir}"],
                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -48,8 +58,8 @@ def _rows(workdir):
 
 
 def test_two_process_run_equals_one_process_on_the_same_mesh(tmp_path):
-  """The tiny default in 2 processes of 1 CPU device each (a 2-device global mesh, fsdp over both) vs 1 process with
-  2 fake devices (the same mesh): both exit 0; the run directory gets one metrics row per step (written by process
+  """The tiny default (with the tests' parity reward, so that losses and gradients are not 0) in 2 processes of 1 CPU
+  device each (a 2-device global mesh, fsdp over both) vs 1 process with 2 fake devices (the same mesh): both exit 0; the run directory gets one metrics row per step (written by process
   0 only), a plot, checkpoints with manifests; the rollouts are the same (reward_mean equal at every step) and loss,
   grad_norm within FP32 summation order (gloo vs in-process reductions); sampler == trainer in both.
   Then a resume of the 2-process run (train.steps 2 -> 3) continues from its checkpoint."""
@@ -65,6 +75,8 @@ def test_two_process_run_equals_one_process_on_the_same_mesh(tmp_path):
   assert [r["step"] for r in b] == [0, 1, 2] == [r["step"] for r in a]  # one row per step: one writer
   assert os.path.isfile(multi / "metrics.png")
   assert os.path.isfile(multi / "checkpoints" / "2" / MANIFEST)
+  # the parity reward gives the groups variance: real losses and gradients are compared, not zeros
+  assert any(0 < r["reward_mean"] < 1 and r["grad_norm"] > 0 for r in a[1:]), a
   for ra, rb in zip(a[1:], b[1:]):
     assert ra["reward_mean"] == rb["reward_mean"]
     for k in ("loss", "grad_norm"):
