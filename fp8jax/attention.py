@@ -164,8 +164,8 @@ def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None,
   if codes and k_BxSxKxD.dtype == q_BxTxHxD.dtype:  # codes held in BF16 over a cache: FP16 operands, as in the tile
     k_BxSxKxD, v_BxSxKxD = k_BxSxKxD.astype(jnp.float16), v_BxSxKxD.astype(jnp.float16)
   paged = page_table is not None
-  shared = paged and t == 1 and shared_blocks is not None and h // k_BxSxKxD.shape[2] <= kern.prefix_rows(
-      cfg, h // k_BxSxKxD.shape[2])
+  g = h // k_BxSxKxD.shape[2]
+  shared = paged and t == 1 and shared_blocks is not None and g <= kern.prefix_rows(cfg, g)
   po = pair_ordered
   if t == 1:
     fn = lambda q, k, v, p, qs, s, *pt: kern.attention_heads(q[:, 0], k, v, p[:, 0], qs, s, *pt,  # noqa: E731

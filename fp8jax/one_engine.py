@@ -10,10 +10,10 @@ whose log-probs are bitwise equal.
 ``sampler.prepare_params``; a prefill of the first length / 2 tokens into a KV cache, then one token per step through
 ``llama.forward`` with the cache, as the sampler's decode step calls it). While each step is traced, the blocks
 ``llama.decoder_layer`` calls are wrapped so that their outputs become outputs of the step: every layer's norms,
-attention output, MLP output and the residual stream entering each norm, the final norm, and the head's log-prob. For each tensor: the
-fraction of decode rows bitwise equal to the training rows and the max |difference|; the first tensor that differs
-is where the engines part. Wrapping makes the blocks' outputs materialize, which can change XLA's fusions a little
-against the real steps (``sampler_vs_trainer`` measures those).
+attention output, MLP output and the residual stream entering each norm, the final norm, and the head's log-prob. For
+each tensor: the fraction of decode rows bitwise equal to the training rows and the max |difference|; the first tensor
+that differs is where the engines part. Wrapping makes the blocks' outputs materialize, which can change XLA's fusions a
+little against the real steps (``sampler_vs_trainer`` measures those).
 """
 
 from __future__ import annotations

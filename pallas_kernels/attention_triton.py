@@ -94,7 +94,8 @@ class TuningConfig:
       if getattr(self, name) not in (16, 32, 64, 128):
         raise ValueError(f"TuningConfig.{name} must be 16, 32, 64 or 128 (divide {BLOCK_KV}), got {self}")
     for name in ("block_q", "decode_block_q", "decode_block_q_natural_fp8", "prefix_block_q"):
-      if getattr(self, name) not in (16, 32, 64, 128) and not (name == "prefix_block_q" and self.prefix_block_q is None):
+      value = getattr(self, name)
+      if value not in (16, 32, 64, 128) and (value is not None or name != "prefix_block_q"):  # prefix: None = auto
         raise ValueError(f"TuningConfig.{name} must be 16, 32, 64 or 128 (divide {BLOCK_KV}), got {self}")
     for name in ("num_warps", "decode_num_warps", "prefix_num_warps", "bwd_num_warps"):
       if getattr(self, name) not in (1, 2, 4, 8):
@@ -518,8 +519,8 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
   ``shared_blocks_B`` (paged form only): sequence b's first shared_blocks_B[b] key blocks are pages it shares with
   every sequence of the same first page and count (the G samples of a prompt; each sees those blocks in full). A
   prefix pass then runs each group's shared blocks once, its sequences' rows together in one tile (up to
-  ``prefix_rows`` / G sequences per tile: one read of the prefix pages per tile, no padding rows), and the decode tiles go on
-  from the state it leaves. Same blocks, same order, same update per row: the same bits as without it.
+  ``prefix_rows`` / G sequences per tile: one read of the prefix pages per tile, no padding rows), and the decode
+  tiles go on from the state it leaves. Same blocks, same order, same update per row: the same bits as without it.
   ``pair_ordered``: as in ``attention_seq`` (the sampler's FP8 cache). E4M3 codes in natural order take the 64-row
   tile (``TuningConfig.decode_block_q_natural_fp8``): a smaller one would not give the training rows' bits."""
   b, h, d = q_BxHxD.shape
@@ -530,8 +531,10 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
   bq = config.decode_block_q_natural_fp8 if fp8 and not pair_ordered else config.decode_block_q
   k, v, extra, n_kb = _keys(*_kv_form(k_BxSxKxD, v_BxSxKxD, pair_ordered), page_table_BxNb)
   scalars = _scalars(qk_scale, v_scale)
-  stages = (config.decode_num_stages if pair_ordered else config.decode_num_stages_natural_fp8) if fp8 else \
-      config.decode_num_stages_bf16
+  if not fp8:
+    stages = config.decode_num_stages_bf16
+  else:
+    stages = config.decode_num_stages if pair_ordered else config.decode_num_stages_natural_fp8
   params = _params(config.decode_num_warps, stages)
   shared = shared_blocks_B is not None
   if shared:

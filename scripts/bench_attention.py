@@ -216,7 +216,8 @@ def _cfg_diff(cfg) -> str:
   """A tuning config as its fields that differ from the default ("default" if none)."""
   import dataclasses  # noqa: PLC0415
   d = type(cfg)()
-  diff = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(d, f.name)]
+  diff = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+          if getattr(cfg, f.name) != getattr(d, f.name)]
   return " ".join(diff) or "default"
 
 
@@ -239,7 +240,8 @@ def rollout_decode_rows(own_lens=(128, 512, 1024), shapes=((16, 16, 512),)):
     qs, vs = attn._scales(D, sc, sc)
     base = {}
     for cfg in rollout_decode_configs():
-      row = {"shape": f"{prompts}x{samples}x{prompt_len}", "own_len": own, "config": _cfg_diff(cfg), "live_gb": live / 1e9}
+      row = {"shape": f"{prompts}x{samples}x{prompt_len}", "own_len": own, "config": _cfg_diff(cfg),
+             "live_gb": live / 1e9}
       try:
         for name, sb in (("shared", shared), ("plain", None)):
           fn = lambda q, kp, vp, p, t, sb=sb, c=cfg: kern.attention_heads(  # noqa: E731

@@ -590,7 +590,8 @@ def main():
   p.add_argument("--no-wgrad", action="store_true")
   p.add_argument("--variants", action="store_true", help="time schedule variants side by side (and check bits)")
   p.add_argument("--quant", action="store_true", help="activation-quantization cost vs the layer's GEMMs")
-  p.add_argument("--ncu-target", default=None, help="run one shape's kernels at M = --ms's first value for ncu (scripts/ncu_gemm.sh)")
+  p.add_argument("--ncu-target", default=None,
+                 help="run one shape's kernels at M = --ms's first value for ncu (scripts/ncu_gemm.sh)")
   p.add_argument("--bf16", action="store_true",
                  help="BF16 mode of our kernel vs jnp.dot (cuBLAS) at the lm_head and 8B linear shapes (--variants: "
                       "BF16 schedule variants); ignores --ms/--shapes")

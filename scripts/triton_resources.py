@@ -4,10 +4,10 @@
 
 Lowers the kernel's pallas_call for an abstract H200 (``pallas_kernels.lowering``, as the CPU lowering tests do),
 takes the Triton module that jax's Pallas Triton lowering builds, and compiles it with the pinned ``triton`` package
-(its own ptxas) for sm_90 with the kernel's num_warps / num_stages. Prints, per Triton kernel of the call: registers per thread, spill stack,
-dynamic shared memory, how many programs (of the kernel's warps) fit on one SM by registers and by shared memory
-(or that the kernel exceeds the per-block limit and cannot launch), and the most frequent SASS opcodes (static
-count, not executed).
+(its own ptxas) for sm_90 with the kernel's num_warps / num_stages. Prints, per Triton kernel of the call: registers per
+thread, spill stack, dynamic shared memory, how many programs (of the kernel's warps) fit on one SM by registers and by
+shared memory (or that the kernel exceeds the per-block limit and cannot launch), and the most frequent SASS opcodes
+(static count, not executed).
 
 What it is for: the decode tile's speed follows its occupancy (docs/benchmarks.md, "Attention (issue 14)"), which a
 register or shared-memory change moves by a whole program per SM; this shows it before spending device time. XLA

@@ -59,10 +59,11 @@ def _rows(workdir):
 
 def test_two_process_run_equals_one_process_on_the_same_mesh(tmp_path):
   """The tiny default (with the tests' parity reward, so that losses and gradients are not 0) in 2 processes of 1 CPU
-  device each (a 2-device global mesh, fsdp over both) vs 1 process with 2 fake devices (the same mesh): both exit 0; the run directory gets one metrics row per step (written by process
-  0 only), a plot, checkpoints with manifests; the rollouts are the same (reward_mean equal at every step) and loss,
-  grad_norm within FP32 summation order (gloo vs in-process reductions); sampler == trainer in both.
-  Then a resume of the 2-process run (train.steps 2 -> 3) continues from its checkpoint."""
+  device each (a 2-device global mesh, fsdp over both) vs 1 process with 2 fake devices (the same mesh): both exit 0;
+  the run directory gets one metrics row per step (written by process 0 only), a plot, checkpoints with manifests; the
+  rollouts are the same (reward_mean equal at every step) and loss, grad_norm within FP32 summation order (gloo vs
+  in-process reductions); sampler == trainer in both. Then a resume of the 2-process run (train.steps 2 -> 3) continues
+  from its checkpoint."""
   one = _train(tmp_path / "one", {}, 2)
   port = _free_port()
   multi = tmp_path / "multi"
