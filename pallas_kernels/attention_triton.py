@@ -1,13 +1,16 @@
 """Flash attention for training, prefill and decode in Pallas (Triton backend): one tile body for every caller.
 
 Math and operands: ``pallas_kernels.attention`` (the contract and its plain-jnp reference). Every query row goes
-through ``_attend_tile``: a (block_q x D) tile of query rows with their positions, looping over 128-key blocks of
-one key/value head in increasing order with the online-softmax update of the contract. Two entry points feed it:
+through ``_attend_tile`` (or its pieces: ``_update`` per key block, ``_finish``): a (block_q x D) tile of query rows
+with their positions, looping over 128-key blocks of one key/value head in increasing order with the online-softmax
+update of the contract. Two entry points feed it:
 * ``attention_seq``: rows are consecutive positions of one query head (training forward, prefill); grid
   (B, H, T / block_q); the forward also writes the row's log-sum-exp for the backward pass;
 * ``attention_heads``: rows are the G query heads of one key/value head at one position (decode: one new token per
   slot over the slot's cache), zero-padded to block_q rows in registers (read from and stored to the (B, H, D)
-  layout directly, the padding rows masked); grid (B, K, ceil(G / block_q)).
+  layout directly, the padding rows masked); grid (B, K, ceil(G / block_q)); or, with
+  ``TuningConfig.decode_slots`` = n, grid (B / n, K), each program walking n slots' key blocks in one loop
+  (``_walk_kernel``: the same tile and updates per row, so the same bits).
 Both compile the same body, and a row's result does not depend on the tile it sits in: the tensor-core dots give
 each element the same bits in every tile shape (wgmma tiles of 64 / 128 rows, mma.sync tiles of 16: measured by
 ``scripts/check_tile_bits.py`` for 16-bit operands in their natural k order, which is why the FP8 cache is held in
@@ -83,6 +86,7 @@ class TuningConfig:
   decode_num_stages: int = 3  # FP8 K/V (2 before the carriers' one-instruction conversion; 3 is faster since)
   decode_num_stages_bf16: int = 3
   decode_num_stages_natural_fp8: int = 2  # the 64-row tile over natural-order codes (3: 365 vs 280 us per layer)
+  decode_slots: int | None = None  # None: one program per (slot, KV head); n: one walks n slots (``_walk_kernel``)
   prefix_num_stages: int = 2  # the shared-prefix pass (its 64-row tile: 3 stages leave one program per SM)
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
@@ -100,6 +104,8 @@ class TuningConfig:
     for name in ("num_warps", "decode_num_warps", "prefix_num_warps", "bwd_num_warps"):
       if getattr(self, name) not in (1, 2, 4, 8):
         raise ValueError(f"TuningConfig.{name} must be 1, 2, 4 or 8, got {getattr(self, name)}")
+    if self.decode_slots is not None and self.decode_slots not in (1, 2, 4, 8, 16, 32):
+      raise ValueError(f"TuningConfig.decode_slots must be None or 1, 2, 4, 8, 16 or 32, got {self.decode_slots}")
 
 
 # Sequences per shared-prefix tile by default: 4 (16 rows at G = 4) ran 2-7% faster than 16 (64 rows) at rollout
@@ -160,15 +166,17 @@ def _exp2_scaled(s, c, t, compiled: bool):
   return _asm(_FMA_EX2, s, c, -t) if compiled else jnp.exp2(s * c - t)
 
 
-def _update(carry, q, kb, vb, start, key, pos, last, qk_scale, *, masked: bool, compiled: bool):
+def _update(carry, q, kb, vb, start, key, pos, last, qk_scale, *, masked: bool, compiled: bool,
+            v_zeroed: bool = False):
   """One key block of the contract's online softmax for a tile of rows (exact whether or not ``masked``, when
-  every key of the block is visible to every row: the masks then select nothing).
+  every key of the block is visible to every row: the masks then select nothing). ``v_zeroed``: the V rows of keys
+  past ``last`` came as zeros already (``_load_kv``'s predicated load), so the masked update selects none.
 
   The scores' scale enters where the contract puts it, folded into the exponent's FMA: the row max is taken over
   the raw dots and scaled once (the same value: rounding is monotone and qk_scale > 0), and P = 2**(raw * qk_scale
   - m0) rounds the exponent's argument once instead of twice."""
   m, l, acc = carry
-  if masked:  # keys past the tile's last row (stale cache rows, padding) enter only as zeros
+  if masked and not v_zeroed:  # keys past the tile's last row (stale cache rows, padding) enter only as zeros
     vb = tuple(jnp.where((key <= last)[:, None], x, jnp.zeros((), x.dtype)) for x in vb)
   s = functools.reduce(jnp.add, (_dot_t(a, b) for a, b in zip(q, kb)))  # over the head-dim parts (_load_block)
   if masked:
@@ -282,13 +290,36 @@ def _load_block(k_ref, v_ref, b, pages, j, kvh, kv_dtype, compiled: bool):
   as they are. The dots over halves are the codes' dots in every tile (training, prefill, decode). BF16 K/V need no
   split (kWidth 2 already): one dot over the whole head dim, which keeps the 128-row training tile's registers."""
   start = pl.multiple_of(j * BLOCK_KV, BLOCK_KV)
-  idx = (b, pl.ds(start, BLOCK_KV)) if pages is None else (
-      jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, pages.shape, 0) == j, pages, 0)), slice(None))
+  page = None if pages is None else jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, pages.shape, 0) == j, pages, 0))
+  return start, *_load_kv(k_ref, v_ref, _block_index(b, page, start), start, kvh, kv_dtype, compiled)
+
+
+def _block_index(b, page, start):
+  """The leading indices of a key block: rows start .. start + BLOCK_KV - 1 of sequence b's dense cache, or the
+  whole page ``page`` of a pool (``page`` None: dense)."""
+  return (b, pl.ds(start, BLOCK_KV)) if page is None else (page, slice(None))
+
+
+def _load_kv(k_ref, v_ref, idx, start, kvh, kv_dtype, compiled: bool, v_last=None):
+  """(K parts, V parts) of the key block at ``idx`` (``_block_index``, first key ``start``), as ``_load_block``
+  describes. ``v_last`` (16-bit refs only): the V rows of keys past it are loaded as zeros by a predicated load (no
+  select after the conversion; the masked update's zeros, ``_update(v_zeroed=True)``), so stale cache rows, even
+  NaN, enter only as zeros. (Not for float8 refs: their predicated load changes the 8-bit operand's register
+  layout and with it the tile's bits, measured on the H200, docs/benchmarks.md.)"""
+  def load(r, cols, width):
+    if v_last is None or r is k_ref:
+      return r[(*idx, kvh, cols)]
+    seen = (start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV, 1), 0)) <= v_last
+    return pltriton.load(r.at[(*idx, kvh, cols)], mask=jnp.broadcast_to(seen, (BLOCK_KV, width)),
+                         other=jnp.zeros((), r.dtype))
+
+  if v_last is not None and jnp.dtype(k_ref.dtype).itemsize != 2:
+    raise ValueError(f"_load_kv: zero-loaded V rows need 16-bit K/V refs, got {k_ref.dtype}")
+  d = k_ref.shape[-1]
   if k_ref.dtype == jnp.uint16:
-    return start, *(_unpack_carriers(r[(*idx, kvh, slice(None))], compiled) for r in (k_ref, v_ref))
-  parts = lambda r: tuple(  # noqa: E731
-      r[(*idx, kvh, pl.ds(o, w))].astype(kv_dtype) for o, w in _parts(k_ref.shape[-1], k_ref.dtype))
-  return start, parts(k_ref), parts(v_ref)
+    return tuple(_unpack_carriers(load(r, slice(None), d), compiled) for r in (k_ref, v_ref))
+  parts = lambda r: tuple(load(r, pl.ds(o, w), w).astype(kv_dtype) for o, w in _parts(d, k_ref.dtype))  # noqa: E731
+  return parts(k_ref), parts(v_ref)
 
 
 def _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, lo, hi, pos=None, last=None, *,
@@ -335,8 +366,15 @@ def _attend_tile(q, pos, k_ref, v_ref, b, kvh, qk_scale, v_scale, n_kb: int, pt_
   if resume is not None:
     n_full = jnp.maximum(n_full, j0)
   carry = _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, j0, n_full, compiled=compiled)
-  m, l, acc = _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, n_full, n_blocks, pos, last,
-                      compiled=compiled)
+  state = _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, n_full, n_blocks, pos, last,
+                  compiled=compiled)
+  return _finish(state, v_scale, out_dtype)
+
+
+def _finish(state, v_scale, out_dtype):
+  """The online softmax's state (m, l, acc) after a row's last key block -> (out parts in ``out_dtype``, lse FP32
+  log2 units; zeros and +inf for a row that saw no key)."""
+  m, l, acc = state
   seen = l > 0
   inv = jnp.where(seen, v_scale / jnp.where(seen, l, 1.0), 0.0)
   out = tuple((a * inv[:, None]).astype(out_dtype) for a in acc)
@@ -393,6 +431,80 @@ def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb:
     resume = (j0, jax.tree.map(lambda x, e: jnp.where(j0 > 0, x, e), state, _empty_state(bq, parts)))
   out, _ = _attend_tile(q, pos, k_ref, v_ref, b, kvh, sc_ref[0], sc_ref[1], n_kb, pt_ref, resume, compiled=compiled)
   _store_rows(o_ref, (b,), jnp.where(real, heads, o_ref.shape[1] + r), real, parts, out)
+
+
+def _walk_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, n_slots: int, paged: bool,
+                 shared: bool, compiled: bool):
+  """Decode over ``n_slots`` consecutive sequences (slots) of one key/value head in one program
+  (``TuningConfig.decode_slots``): one loop walks every slot's key blocks in turn, slot after slot, so the loads of
+  the next slot's first blocks are in flight while this slot's last block is computed (one software pipeline for
+  all of them), where one program per slot would start a pipeline, wait for its first block and drain it per slot.
+
+  Each loop step is one key block of one slot: (slot, block) is a function of the step index alone (the slots'
+  block counts are known before the loop), so the pipeline can compute the addresses of the steps ahead. A slot's
+  first step starts its rows from the shared-prefix state (or the empty one), its last step writes its rows. Every
+  block takes the masked update with V's rows past the slot's position loaded as zeros (``_load_kv``): for a block
+  the rows see in full the masks select nothing, so each row goes through the same updates of the same blocks in the
+  same order as in ``_heads_fwd_kernel``'s tile: the same bits. A slot with no block to visit (its shared blocks
+  cover it) takes one step over a block past its position: no row changes, and the step writes its rows.
+  Needs G <= block_q (one tile per slot and KV head) and 16-bit K/V refs (``attention_heads`` checks)."""
+  pt_ref, rest = (rest[0], rest[1:]) if paged else (None, rest)
+  (nb_ref, m_ref, l_ref, acc_ref, o_ref) = rest if shared else (None,) * 4 + rest
+  p, kvh = pl.program_id(0), pl.program_id(1)
+  n_seq, n_heads = q_ref.shape[0], q_ref.shape[1]
+  si = lax.broadcasted_iota(jnp.int32, (n_slots,), 0)
+  live = p * n_slots + si < n_seq  # the last program's slots past the batch: one step each, nothing written
+  seq = jnp.minimum(p * n_slots + si, n_seq - 1)
+  pos_s = jnp.where(live, pos_ref[seq], -1)
+  n_blocks = jnp.minimum(lax.div(pos_s + BLOCK_KV, BLOCK_KV), n_kb)  # blocks 0 .. pos // BLOCK_KV (none at -1)
+  j0 = jnp.where(live, nb_ref[seq], 0) if shared else jnp.zeros_like(si)
+  count = jnp.maximum(n_blocks - j0, 1)
+  ends = jnp.sum(jnp.where(si[None, :] <= si[:, None], count[None, :], 0), axis=1)  # inclusive prefix sums
+  pages = pt_ref[seq, :] if paged else None  # (n_slots, padded width): every slot's page-table row, in registers
+  r = lax.broadcasted_iota(jnp.int32, (bq,), 0)
+  real = r < g
+  heads = kvh * g + jnp.minimum(r, g - 1)  # padding rows load a real row (in bounds), then are zeroed
+  parts = _parts(q_ref.shape[-1], k_ref.dtype)
+  empty = _empty_state(bq, parts)
+  qk_scale, v_scale = sc_ref[0], sc_ref[1]
+
+  def step(i, carry):
+    s = jnp.sum((ends <= i).astype(jnp.int32))  # this step's slot
+    this = si == s
+    pick = lambda x: jnp.sum(jnp.where(this, x, 0))  # noqa: E731  (slot s's entry of a per-slot vector)
+    end, n, first_block, pos_b, b = pick(ends), pick(count), pick(j0), pick(pos_s), pick(seq)
+    begin = end - n
+    j = first_block + i - begin
+    is_start = jnp.broadcast_to(i == begin, (bq,))
+    if shared:  # the state after the shared blocks, read at the slot's first step (none: the empty state)
+      row = b * n_heads + heads
+      get = is_start & (first_block > 0)
+      cols = lambda o, w: o + lax.broadcasted_iota(jnp.int32, (1, w), 1)  # noqa: E731
+      resume = (pltriton.load(m_ref.at[row], mask=get, other=-jnp.inf),
+                pltriton.load(l_ref.at[row], mask=get, other=0.0),
+                tuple(pltriton.load(acc_ref.at[row[:, None], cols(o, w)], mask=jnp.broadcast_to(get[:, None], (bq, w)),
+                                    other=0.0) for o, w in parts))
+    else:
+      resume = empty
+    carry = jax.tree.map(lambda new, x: jnp.where(is_start.reshape((bq,) + (1,) * (x.ndim - 1)), new, x), resume,
+                         carry)
+    q, kv_dtype = _operands(_query_parts(q_ref, (b, heads), real, parts), k_ref.dtype)
+    page = None
+    if paged:
+      row_pages = jnp.sum(jnp.where(this[:, None], pages, 0), axis=0)  # slot s's page-table row
+      page = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, row_pages.shape, 0) == j, row_pages, 0))
+    start = pl.multiple_of(j * BLOCK_KV, BLOCK_KV)
+    kb, vb = _load_kv(k_ref, v_ref, _block_index(b, page, start), start, kvh, kv_dtype, compiled, v_last=pos_b)
+    key = start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0)
+    pos = jnp.where(real, pos_b, -1)
+    carry = _update(carry, q, kb, vb, start, key, pos, pos_b, qk_scale, masked=True, compiled=compiled,
+                    v_zeroed=True)
+    out, _ = _finish(carry, v_scale, q_ref.dtype)
+    write = real & (i == end - 1) & (p * n_slots + s < n_seq)
+    _store_rows(o_ref, (b,), jnp.where(real, heads, n_heads + r), write, parts, out)
+    return carry
+
+  lax.fori_loop(0, jnp.sum(count), step, empty)
 
 
 def _prefix_kernel(q_ref, k_ref, v_ref, tiles_ref, nb_ref, sc_ref, pt_ref, m_ref, l_ref, acc_ref, *, g: int,
@@ -563,14 +675,28 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
     # the host and waits, once per layer and decode step, and the GPU idles while the next kernels are launched.
     state = prefix(q_BxHxD, k, v, tiles, nb, scalars, *extra)
     extra = (*extra, nb, *state)
+  paged = page_table_BxNb is not None
+  if walks(config, g, k.dtype):
+    n_slots = config.decode_slots
+    kernel = functools.partial(_walk_kernel, g=g, n_kb=n_kb, bq=bq, n_slots=n_slots, paged=paged, shared=shared,
+                               compiled=not interpret)
+    grid = (-(-b // n_slots), n_kv)
+  else:
+    kernel = functools.partial(_heads_fwd_kernel, g=g, n_kb=n_kb, bq=bq, paged=paged, shared=shared,
+                               compiled=not interpret)
+    grid = (b, n_kv, -(-g // bq))
   return pl.pallas_call(
-      functools.partial(_heads_fwd_kernel, g=g, n_kb=n_kb, bq=bq, paged=page_table_BxNb is not None, shared=shared,
-                        compiled=not interpret),
-      out_shape=jax.ShapeDtypeStruct(q_BxHxD.shape, q_BxHxD.dtype),
-      grid=(b, n_kv, -(-g // bq)),
-      compiler_params=params,
+      kernel, out_shape=jax.ShapeDtypeStruct(q_BxHxD.shape, q_BxHxD.dtype), grid=grid, compiler_params=params,
       interpret=interpret, name="fp8jax_attention_decode",
   )(q_BxHxD, k, v, q_pos_B.astype(jnp.int32), scalars, *extra)
+
+
+def walks(config: TuningConfig, g: int, kv_ref_dtype) -> bool:
+  """Whether decode runs ``_walk_kernel`` (``config.decode_slots`` slots per program): set, G <= decode_block_q (one
+  tile per slot and KV head) and 16-bit K/V refs (BF16, FP16 codes, the pair-ordered FP8 cache's carriers). Else one
+  program per slot and KV head (``_heads_fwd_kernel``); both give the same bits, so this choice is speed only."""
+  return (config.decode_slots is not None and g <= config.decode_block_q
+          and jnp.dtype(kv_ref_dtype).itemsize == 2)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -222,10 +222,12 @@ def _cfg_diff(cfg) -> str:
 
 
 def rollout_decode_configs():
-  """Decode-pass and shared-prefix-pass settings timed by ``--rollout_decode`` (the default first)."""
+  """Decode-pass settings timed by ``--rollout_decode`` (the default first): one program per slot (the default), and
+  one walking 1, 2, 4 or 8 slots of a KV head (``decode_slots``; two pipeline stages as well at 4). (The decode
+  pass's warps / stages and the prefix pass's tile / stages were swept here on 2026-12-04: docs/benchmarks.md.)"""
   from pallas_kernels import attention_triton as kern  # noqa: PLC0415
   TC = kern.TuningConfig
-  return [TC(), TC(decode_num_stages=2), TC(decode_num_warps=2), TC(prefix_block_q=64), TC(prefix_num_stages=3)]
+  return [TC(), *(TC(decode_slots=n) for n in (1, 2, 4, 8)), TC(decode_slots=4, decode_num_stages=2)]
 
 
 def rollout_decode_rows(own_lens=(128, 512, 1024), shapes=((16, 16, 512),)):

@@ -446,6 +446,58 @@ def test_pair_ordered_cache_interpret_equals_natural_bitwise(shared):
                          pair_ordered=True)
 
 
+@pytest.mark.parametrize("form", ["bf16", "fp8-pairs"])
+def test_walking_decode_interpret_equals_one_program_per_slot_bitwise(form):
+  """``TuningConfig.decode_slots`` (one program walks the key blocks of several slots of a KV head,
+  ``attention_triton._walk_kernel``) == one program per slot, bit for bit: a page pool with and without the
+  shared-prefix pass, and a dense cache; 1, 4 and 8 slots per program over 13 sequences (the last program partly
+  past the batch), ragged positions, NaN in K and V past each slot's position on its own last page (V's rows there
+  are loaded as zeros), and a slot at position -1 (sees no key: zeros)."""
+  fp8 = form != "bf16"
+  groups = [(5, 2), (1, 1), (3, 3), (3, 0), (1, 2)]  # (sequences, shared blocks)
+  q, k, v, table, pos, shared, (qs, vsc) = _prompt_groups(7 + fp8, groups, 2, 8, 2, 64, fp8)
+  bk = ref.BLOCK_KV
+  pos = pos.at[11].set(-1)  # in the group without shared blocks
+  rows = np.arange(bk)
+  for b_, p_ in enumerate(np.asarray(pos)):  # stale rows past each position on the slot's own last page
+    if p_ >= 0:
+      page = int(table[b_, p_ // bk])
+      k, v = (x.at[page, rows[rows > p_ % bk]].set(jnp.nan) for x in (k, v))
+  if fp8:
+    k, v = ref.pair_order(k), ref.pair_order(v)
+  TC = kern.TuningConfig
+  heads = functools.partial(kern.attention_heads, interpret=True, pair_ordered=fp8)
+  for extra in ((table,), (table, shared)):
+    want = np.asarray(heads(q, k, v, pos, qs, vsc, *extra, config=TC(prefix_block_q=16)))
+    assert np.all(np.isfinite(want.astype(np.float32))) and not want[11].any()
+    for n in (1, 4, 8):
+      cfg = TC(prefix_block_q=16, decode_slots=n)
+      assert kern.walks(cfg, 4, k.dtype if not fp8 else jnp.uint16)
+      np.testing.assert_array_equal(np.asarray(heads(q, k, v, pos, qs, vsc, *extra, config=cfg)), want)
+  b, t = 5, 150
+  q2, k2, v2, ks, vs = _qkv(9, b, t, 8, 2, 64, fp8=fp8)
+  ck, cv = _cache_with_stale_rows(k2, v2, 256, 3)
+  if fp8:
+    ck, cv = ref.pair_order(ck), ref.pair_order(cv)
+  ps = jnp.asarray([0, t - 1, 127, 128, 77], jnp.int32)
+  qs2, vsc2 = _scales(64, ks, vs)
+  want = np.asarray(heads(q2[jnp.arange(b), ps], ck, cv, ps, qs2, vsc2))
+  for n in (1, 4):
+    np.testing.assert_array_equal(
+        np.asarray(heads(q2[jnp.arange(b), ps], ck, cv, ps, qs2, vsc2, config=TC(decode_slots=n))), want)
+
+
+def test_walking_decode_applies_where_it_can_and_its_setting_is_checked():
+  """decode_slots takes 16-bit K/V refs (natural-order E4M3 codes keep their 64-row tile: one program per slot) and
+  G <= decode_block_q; other values than the listed powers of two are refused, naming the field."""
+  cfg = kern.TuningConfig(decode_slots=4)
+  assert kern.walks(cfg, 4, jnp.bfloat16) and kern.walks(cfg, 16, jnp.uint16) and kern.walks(cfg, 8, jnp.float16)
+  assert not kern.walks(cfg, 4, jnp.float8_e4m3fn) and not kern.walks(cfg, 17, jnp.bfloat16)
+  assert not kern.walks(kern.TuningConfig(), 4, jnp.bfloat16)
+  with pytest.raises(ValueError, match="TuningConfig.decode_slots"):
+    kern.TuningConfig(decode_slots=3)
+
+
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float16], ids=["bf16", "fp8", "fp16-codes"])
 def test_kernels_lower_for_cuda(kv_dtype):
   S = jax.ShapeDtypeStruct
@@ -466,6 +518,11 @@ def test_kernels_lower_for_cuda(kv_dtype):
     pairs = functools.partial(kern.attention_heads, pair_ordered=True)
     assert "triton" in lower_for_h200(pairs, S((256, h, d), bf), pool, pool, S((256,), i32), *sc, S((256, 12), i32),
                                    S((256,), i32))
+  walk = functools.partial(kern.attention_heads, config=kern.TuningConfig(decode_slots=4),  # decode_slots: 16-bit refs
+                           pair_ordered=kv_dtype == jnp.float8_e4m3fn)
+  dense = S((250, 1536, kv, d), kv_dtype)
+  for kv_in, extra in ((pool, (S((250, 12), i32),)), (pool, (S((250, 12), i32), S((250,), i32))), (dense, ())):
+    assert "triton" in lower_for_h200(walk, S((250, h, d), bf), kv_in, kv_in, S((250,), i32), *sc, *extra)
   assert "triton" in lower_for_h200(kern.attention_seq, S((64, 512, h, d), bf), pool, pool, S((64, 512), i32), *sc,
                                  S((64, 4), i32))
   if kv_dtype != jnp.float8_e4m3fn:  # the backward reads BF16 values or BF16-held codes (kv_codes)
@@ -677,6 +734,35 @@ def test_gpu_decode_rows_equal_training_rows_at_every_position(form):
   want = np.asarray(train[seq, ps])
   np.testing.assert_array_equal(np.asarray(step(q[seq, ps], ps, table[seq], None)), want)
   np.testing.assert_array_equal(np.asarray(step(q[seq, ps], ps, table[seq], shared)), want)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("form", ["bf16", "fp8-pairs"])
+def test_gpu_walking_decode_equals_training_rows_at_every_position(form):
+  """``TuningConfig.decode_slots`` on the GPU (one program walking 1, 4 or 8 slots of a KV head): every position of 4
+  sequences decoded as its own slot, plain and through the shared-prefix pass, == the training rows, bit for bit (as
+  the test above does for one program per slot; stale K junk and NaN V past each position on its last page)."""
+  fp8 = form != "bf16"
+  b, t, h, kv, d = 4, 1000, 32, 8, 128
+  q, k, v, ks, vs = _qkv(78 + fp8, b, t, h, kv, d, fp8=fp8)
+  train = fp8jax.jit(lambda q, k, v: attn.attend(q, k, v, k_scale=ks, v_scale=vs, backend="pallas"))(
+      q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+  ck, cv = _cache_with_stale_rows(k, v, kvcache.padded_len(t), 6)
+  pk, pv, table = _shuffled_pages(ck, cv, ref.BLOCK_KV, 7)
+  if fp8:
+    pk, pv = ref.pair_order(pk), ref.pair_order(pv)
+  seq = jnp.repeat(jnp.arange(b), t)
+  ps = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)
+  shared = jnp.minimum(ps // ref.BLOCK_KV, 2)
+  qs, vsc = _scales(d, ks, vs)
+  want = np.asarray(train[seq, ps])
+  for n in (1, 4, 8):
+    step = jax.jit(functools.partial(kern.attention_heads, config=kern.TuningConfig(decode_slots=n),
+                                     pair_ordered=fp8))
+    for sb in (None, shared):
+      np.testing.assert_array_equal(np.asarray(step(q[seq, ps], pk, pv, ps, qs, vsc, table[seq], sb)), want,
+                                    err_msg=f"decode_slots={n}, shared={sb is not None}")
 
 
 @pytest.mark.gpu
