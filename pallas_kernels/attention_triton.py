@@ -468,26 +468,37 @@ def _walk_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int,
   empty = _empty_state(bq, parts)
   qk_scale, v_scale = sc_ref[0], sc_ref[1]
 
-  def step(i, carry):
-    s = jnp.sum((ends <= i).astype(jnp.int32))  # this step's slot
+  def slot_of(i):
+    """(slot index, its one-hot over the program's slots, its first step) of loop step i."""
+    s = jnp.sum((ends <= i).astype(jnp.int32))
     this = si == s
+    return s, this, jnp.sum(jnp.where(this, ends - count, 0))
+
+  def resume_state(i):
+    """The state a slot starts from if step i is its first (else the empty one, unread): after its shared blocks
+    (``shared``: the prefix pass's, read from HBM), or empty. Loaded one step ahead (``step``), so its latency hides
+    behind the step before, as the pipeline hides the K/V blocks' (a load inside the step would stall each slot's
+    first step)."""
+    if not shared:
+      return empty
+    _, this, begin = slot_of(i)
+    row = jnp.sum(jnp.where(this, seq, 0)) * n_heads + heads
+    get = jnp.broadcast_to((i == begin) & (jnp.sum(jnp.where(this, j0, 0)) > 0), (bq,))
+    cols = lambda o, w: o + lax.broadcasted_iota(jnp.int32, (1, w), 1)  # noqa: E731
+    return (pltriton.load(m_ref.at[row], mask=get, other=-jnp.inf),
+            pltriton.load(l_ref.at[row], mask=get, other=0.0),
+            tuple(pltriton.load(acc_ref.at[row[:, None], cols(o, w)], mask=jnp.broadcast_to(get[:, None], (bq, w)),
+                                other=0.0) for o, w in parts))
+
+  def step(i, carry):
+    state, resume = carry
+    resume_next = resume_state(i + 1)  # issued first: in flight while this step computes
+    s, this, begin = slot_of(i)
     pick = lambda x: jnp.sum(jnp.where(this, x, 0))  # noqa: E731  (slot s's entry of a per-slot vector)
-    end, n, first_block, pos_b, b = pick(ends), pick(count), pick(j0), pick(pos_s), pick(seq)
-    begin = end - n
+    first_block, pos_b, b = pick(j0), pick(pos_s), pick(seq)
     j = first_block + i - begin
-    is_start = jnp.broadcast_to(i == begin, (bq,))
-    if shared:  # the state after the shared blocks, read at the slot's first step (none: the empty state)
-      row = b * n_heads + heads
-      get = is_start & (first_block > 0)
-      cols = lambda o, w: o + lax.broadcasted_iota(jnp.int32, (1, w), 1)  # noqa: E731
-      resume = (pltriton.load(m_ref.at[row], mask=get, other=-jnp.inf),
-                pltriton.load(l_ref.at[row], mask=get, other=0.0),
-                tuple(pltriton.load(acc_ref.at[row[:, None], cols(o, w)], mask=jnp.broadcast_to(get[:, None], (bq, w)),
-                                    other=0.0) for o, w in parts))
-    else:
-      resume = empty
-    carry = jax.tree.map(lambda new, x: jnp.where(is_start.reshape((bq,) + (1,) * (x.ndim - 1)), new, x), resume,
-                         carry)
+    is_start = i == begin
+    state = jax.tree.map(lambda new, x: jnp.where(is_start, new, x), resume, state)
     q, kv_dtype = _operands(_query_parts(q_ref, (b, heads), real, parts), k_ref.dtype)
     page = None
     if paged:
@@ -497,14 +508,14 @@ def _walk_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int,
     kb, vb = _load_kv(k_ref, v_ref, _block_index(b, page, start), start, kvh, kv_dtype, compiled, v_last=pos_b)
     key = start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0)
     pos = jnp.where(real, pos_b, -1)
-    carry = _update(carry, q, kb, vb, start, key, pos, pos_b, qk_scale, masked=True, compiled=compiled,
+    state = _update(state, q, kb, vb, start, key, pos, pos_b, qk_scale, masked=True, compiled=compiled,
                     v_zeroed=True)
-    out, _ = _finish(carry, v_scale, q_ref.dtype)
-    write = real & (i == end - 1) & (p * n_slots + s < n_seq)
+    out, _ = _finish(state, v_scale, q_ref.dtype)
+    write = real & (i == pick(ends) - 1) & (p * n_slots + s < n_seq)
     _store_rows(o_ref, (b,), jnp.where(real, heads, n_heads + r), write, parts, out)
-    return carry
+    return state, resume_next
 
-  lax.fori_loop(0, jnp.sum(count), step, empty)
+  lax.fori_loop(0, jnp.sum(count), step, (empty, resume_state(0)))
 
 
 def _prefix_kernel(q_ref, k_ref, v_ref, tiles_ref, nb_ref, sc_ref, pt_ref, m_ref, l_ref, acc_ref, *, g: int,
