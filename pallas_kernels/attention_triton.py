@@ -10,7 +10,8 @@ update of the contract. Two entry points feed it:
   slot over the slot's cache), zero-padded to block_q rows in registers (read from and stored to the (B, H, D)
   layout directly, the padding rows masked); grid (B, K, ceil(G / block_q)); or, with
   ``TuningConfig.decode_slots`` = n, grid (B / n, K), each program walking n slots' key blocks in one loop
-  (``_walk_kernel``: the same tile and updates per row, so the same bits).
+  (``_walk_kernel``: the same tile and updates per row, so the same bits); with shared prompt blocks and
+  ``TuningConfig.prefix_walk``, one pass whose tiles hold several sequences' heads (``_prefix_walk_kernel``).
 Both compile the same body, and a row's result does not depend on the tile it sits in: the tensor-core dots give
 each element the same bits in every tile shape (wgmma tiles of 64 / 128 rows, mma.sync tiles of 16: measured by
 ``scripts/check_tile_bits.py`` for 16-bit operands in their natural k order, which is why the FP8 cache is held in
@@ -87,6 +88,7 @@ class TuningConfig:
   decode_num_stages_bf16: int = 3
   decode_num_stages_natural_fp8: int = 2  # the 64-row tile over natural-order codes (3: 365 vs 280 us per layer)
   decode_slots: int | None = None  # None: one program per (slot, KV head); n: one walks n slots (``_walk_kernel``)
+  prefix_walk: bool = False  # shared prefix, 16-bit K/V refs: one pass, prefix tiles walk their sequences' own blocks
   prefix_num_stages: int = 2  # the shared-prefix pass (its 64-row tile: 3 stages leave one program per SM)
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
@@ -545,6 +547,68 @@ def _prefix_kernel(q_ref, k_ref, v_ref, tiles_ref, nb_ref, sc_ref, pt_ref, m_ref
     _store_rows(acc_ref, (), dest, real, parts, acc)
 
 
+def _prefix_walk_kernel(q_ref, k_ref, v_ref, pos_ref, tiles_ref, nb_ref, sc_ref, pt_ref, o_ref, *, g: int, bq: int,
+                        per_tile: int, n_kb: int, compiled: bool):
+  """The shared-prefix tile and the decode of its sequences in one program (``TuningConfig.prefix_walk``): the G
+  heads of KV head ``kvh`` for up to ``per_tile`` sequences (``tiles_ref[t]``) sharing their first ``nb`` key blocks,
+  in one tile whose rows are all real (per_tile x G), walking in one loop first the shared blocks (every row) and
+  then each sequence's own blocks in turn (that sequence's rows; the others' positions read as -1 there, so the
+  masked update leaves them as they are). Each row sees the blocks it sees in ``_prefix_kernel`` + the decode tile
+  resuming from its state, in the same order with the same update (its state now stays in registers instead of
+  crossing HBM in FP32, exactly): the same bits, in one launch instead of two, with the tile's rows all real where
+  the decode tile pads G rows to block_q. (slot, block) of a step is a function of the step index (``_walk_kernel``
+  says why); the first sequence's steps cover the shared blocks (they are its pages too)."""
+  t, kvh = pl.program_id(0), pl.program_id(1)
+  n_seq, n_heads = q_ref.shape[0], q_ref.shape[1]
+  r = lax.broadcasted_iota(jnp.int32, (bq,), 0)
+  row_slot = jnp.minimum(r // g, per_tile - 1)
+  seq = tiles_ref[t, row_slot]
+  real = (r < per_tile * g) & (seq >= 0)
+  lead = tiles_ref[t, 0]
+
+  @pl.when(lead >= 0)
+  def _():
+    seq_c = jnp.clip(seq, 0, n_seq - 1)
+    heads = kvh * g + r % g
+    parts = _parts(q_ref.shape[-1], k_ref.dtype)
+    q, kv_dtype = _operands(_query_parts(q_ref, (seq_c, heads), real, parts), k_ref.dtype)
+    pos_rows = jnp.where(real, pos_ref[seq_c], -1)
+    si = lax.broadcasted_iota(jnp.int32, (per_tile,), 0)
+    tseq = tiles_ref[t, :]
+    live = tseq >= 0
+    tseq = jnp.clip(tseq, 0, n_seq - 1)
+    pos_s = jnp.where(live, pos_ref[tseq], -1)
+    nb = nb_ref[jnp.minimum(lead, n_seq - 1)]  # the tile's shared blocks (0: none)
+    n_blocks = jnp.minimum(lax.div(pos_s + BLOCK_KV, BLOCK_KV), n_kb)
+    first_block = jnp.where(si == 0, 0, nb)
+    count = jnp.where(live, jnp.maximum(n_blocks - first_block, 0), 0)
+    ends = jnp.sum(jnp.where(si[None, :] <= si[:, None], count[None, :], 0), axis=1)  # inclusive prefix sums
+    pages = pt_ref[tseq, :]  # (per_tile, padded width): the tile's page-table rows, in registers
+    qk_scale = sc_ref[0]
+
+    def step(i, state):
+      s = jnp.sum((ends <= i).astype(jnp.int32))  # this step's sequence (slot of the tile)
+      this = si == s
+      pick = lambda x: jnp.sum(jnp.where(this, x, 0))  # noqa: E731
+      j = pick(first_block) + i - (pick(ends) - pick(count))
+      pos_b = pick(pos_s)
+      row_pages = jnp.sum(jnp.where(this[:, None], pages, 0), axis=0)
+      page = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, row_pages.shape, 0) == j, row_pages, 0))
+      start = pl.multiple_of(j * BLOCK_KV, BLOCK_KV)
+      kb, vb = _load_kv(k_ref, v_ref, _block_index(None, page, start), start, kvh, kv_dtype, compiled, v_last=pos_b)
+      key = start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0)
+      pos = jnp.where((j < nb) | (row_slot == s), pos_rows, -1)  # shared blocks: every row; own: slot s's rows
+      return _update(state, q, kb, vb, start, key, pos, pos_b, qk_scale, masked=True, compiled=compiled,
+                     v_zeroed=True)
+
+    state = lax.fori_loop(0, jnp.sum(count), step, _empty_state(bq, parts))
+    out, _ = _finish(state, sc_ref[1], q_ref.dtype)
+    dest = jnp.where(real, seq_c, n_seq)  # padding rows: past the last sequence (``_store_rows`` says why)
+    for (o, w), x in zip(parts, out):
+      cols = o + lax.broadcasted_iota(jnp.int32, (1, w), 1)
+      pltriton.store(o_ref.at[dest[:, None], heads[:, None], cols], x, mask=jnp.broadcast_to(real[:, None], x.shape))
+
+
 def shared_prefix_tiles(page_table_BxNb, shared_blocks_B, per_tile: int):
   """-> (tiles (B, per_tile) int32, blocks (B,) int32): tiles of sequences that share their first key blocks.
   Sequence b's first ``shared_blocks_B[b]`` pages are the same pages for every sequence with the same first page
@@ -644,6 +708,7 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
   prefix pass then runs each group's shared blocks once, its sequences' rows together in one tile (up to
   ``prefix_rows`` / G sequences per tile: one read of the prefix pages per tile, no padding rows), and the decode
   tiles go on from the state it leaves. Same blocks, same order, same update per row: the same bits as without it.
+  (``config.prefix_walk``, 16-bit K/V refs: one pass instead, each prefix tile walking its sequences' own blocks.)
   ``pair_ordered``: as in ``attention_seq`` (the sampler's FP8 cache). E4M3 codes in natural order take the 64-row
   tile (``TuningConfig.decode_block_q_natural_fp8``): a smaller one would not give the training rows' bits."""
   b, h, d = q_BxHxD.shape
@@ -672,6 +737,12 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
                        f"prefix_block_q = {pq} (one tile holds whole sequences)")
     per_tile = pq // g
     tiles, nb = shared_prefix_tiles(page_table_BxNb, shared_blocks_B, per_tile)
+    if config.prefix_walk and jnp.dtype(k.dtype).itemsize == 2:  # one pass (16-bit refs: ``_load_kv``)
+      return pl.pallas_call(
+          functools.partial(_prefix_walk_kernel, g=g, bq=pq, per_tile=per_tile, n_kb=n_kb, compiled=not interpret),
+          out_shape=jax.ShapeDtypeStruct(q_BxHxD.shape, q_BxHxD.dtype), grid=(b, n_kv), compiler_params=params,
+          interpret=interpret, name="fp8jax_attention_decode",
+      )(q_BxHxD, k, v, q_pos_B.astype(jnp.int32), tiles, nb, scalars, *extra)
     f32 = jnp.float32
     shapes = (jax.ShapeDtypeStruct((b * h,), f32), jax.ShapeDtypeStruct((b * h,), f32),
               jax.ShapeDtypeStruct((b * h, d), f32))

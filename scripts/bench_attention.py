@@ -222,12 +222,15 @@ def _cfg_diff(cfg) -> str:
 
 
 def rollout_decode_configs():
-  """Decode-pass settings timed by ``--rollout_decode`` (the default first): one program per slot (the default), and
-  one walking 1, 2, 4 or 8 slots of a KV head (``decode_slots``; two pipeline stages as well at 4). (The decode
-  pass's warps / stages and the prefix pass's tile / stages were swept here on 2026-12-04: docs/benchmarks.md.)"""
+  """Decode settings timed by ``--rollout_decode`` (the default first): one program per slot after the prefix pass
+  (the default); one walking 1, 2, 4 or 8 slots of a KV head (``decode_slots``; two pipeline stages as well at 4);
+  the prefix tiles walking their sequences' own blocks in one pass (``prefix_walk``, 16- and 32-row tiles; "plain"
+  is then the default's plain pass). (The decode pass's warps / stages and the prefix pass's tile / stages were swept
+  here on 2026-12-04: docs/benchmarks.md.)"""
   from pallas_kernels import attention_triton as kern  # noqa: PLC0415
   TC = kern.TuningConfig
-  return [TC(), *(TC(decode_slots=n) for n in (1, 2, 4, 8)), TC(decode_slots=4, decode_num_stages=2)]
+  return [TC(), *(TC(decode_slots=n) for n in (1, 2, 4, 8)), TC(decode_slots=4, decode_num_stages=2),
+          TC(prefix_walk=True), TC(prefix_walk=True, prefix_block_q=32)]
 
 
 def rollout_decode_rows(own_lens=(128, 512, 1024), shapes=((16, 16, 512),)):

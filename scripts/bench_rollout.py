@@ -59,7 +59,9 @@ configs bf16_cublas (cuBLAS BF16 GEMMs + XLA RMSNorm) and fp8kv_xla_norm (XLA RM
 pieces back, to measure the price of the exact one engine beside bf16 / fp8kv in one run. fp8kv_nofuse / bf16_nofuse
 run q/k/v and gate/up as separate GEMMs (the sampler fuses them on the Hopper kernels: fp8jax.model.fuse).
 fp8kv_walkN / bf16_walkN (N = 1, 2, 4, 8) run the decode attention with one program walking N slots of a KV head
-(``attention_triton.TuningConfig.decode_slots``; the same bits), to time it beside fp8kv / bf16 in one process.
+(``attention_triton.TuningConfig.decode_slots``), fp8kv_pwalk / bf16_pwalk with the shared-prefix tiles walking
+their sequences' own blocks in one pass (``prefix_walk``; with --samples > 1); the same bits, timed beside fp8kv /
+bf16 in one process.
 """
 
 from __future__ import annotations
@@ -111,12 +113,17 @@ CONFIGS = {  # name -> (recipe, kv cache)
     # q/k/v and gate/up as separate GEMMs (the sampler fuses them on the Hopper kernels: fp8jax.model.fuse)
     "fp8kv_nofuse": (quant.Recipe(kv_cache="fp8"), "fp8"),
     "bf16_nofuse": (quant.Recipe(mode="bf16"), "bf16"),
-    # decode attention with one program walking N slots of a KV head (attention_triton.TuningConfig.decode_slots;
-    # the same bits), beside "fp8kv" / "bf16" (one program per slot)
+    # decode attention with one program walking N slots of a KV head (attention_triton.TuningConfig.decode_slots), or
+    # with the shared-prefix tiles walking their sequences' own blocks in one pass (prefix_walk); the same bits,
+    # beside "fp8kv" / "bf16" (one program per slot after the prefix pass)
     **{f"fp8kv_walk{n}": (quant.Recipe(kv_cache="fp8"), "fp8") for n in (1, 2, 4, 8)},
     **{f"bf16_walk{n}": (quant.Recipe(mode="bf16"), "bf16") for n in (1, 2, 4, 8)},
+    "fp8kv_pwalk": (quant.Recipe(kv_cache="fp8"), "fp8"),
+    "bf16_pwalk": (quant.Recipe(mode="bf16"), "bf16"),
 }
-ATTENTION_TUNING = {name: {"decode_slots": int(name.rsplit("walk", 1)[1])} for name in CONFIGS if "_walk" in name}
+ATTENTION_TUNING = {  # config -> attention_triton.TuningConfig settings (attention_tuning)
+    **{name: {"decode_slots": int(name.rsplit("walk", 1)[1])} for name in CONFIGS if "_walk" in name},
+    **{name: {"prefix_walk": True} for name in CONFIGS if name.endswith("_pwalk")}}
 MODEL_OVERRIDES = {"bf16_cublas": {"norm_backend": "xla"}, "fp8kv_xla_norm": {"norm_backend": "xla"}}
 SAMPLER_OVERRIDES = {"fp8kv_noshare": {"shared_prefix_attention": False},
                      "bf16_noshare": {"shared_prefix_attention": False},

@@ -1,7 +1,7 @@
 """Registers, shared memory and SASS instruction mix of the attention kernels for sm_90, on a machine without a GPU.
 
   python3 scripts/triton_resources.py [--kernel decode|decode_shared|seq] [--kv fp8_pairs|fp8|bf16]
-      [--decode_slots N] [--sass_out DIR]
+      [--decode_slots N] [--prefix_walk] [--sass_out DIR]
 
 Lowers the kernel's pallas_call for an abstract H200 (``pallas_kernels.lowering``, as the CPU lowering tests do),
 takes the Triton module that jax's Pallas Triton lowering builds, and compiles it with the pinned ``triton`` package
@@ -103,10 +103,10 @@ def compile_sm90(ir_text: str, num_warps: int, num_stages: int, sass_path: str |
               top_opcodes=ops.most_common(12), sass_instructions=sum(ops.values()))
 
 
-def kernel_args(kernel: str, kv: str, decode_slots: int | None = None):
+def kernel_args(kernel: str, kv: str, decode_slots: int | None = None, prefix_walk: bool = False):
   """(function, abstract args) of the decode step's launch at Llama-3.1-8B shapes (256 slots, paged) or of the
   training forward (8 x 4096). ``kv``: fp8_pairs (the sampler's pair-ordered FP8 cache), fp8 (natural order), bf16.
-  ``decode_slots``: ``TuningConfig.decode_slots`` of the decode launch (None: one program per slot)."""
+  ``decode_slots`` / ``prefix_walk``: those ``TuningConfig`` settings of the decode launch."""
   S = jax.ShapeDtypeStruct
   f32, i32, bf = jnp.float32, jnp.int32, jnp.bfloat16
   kv_dtype = {"fp8": jnp.float8_e4m3fn, "fp8_pairs": jnp.float8_e4m3fn, "bf16": bf}[kv]
@@ -120,7 +120,7 @@ def kernel_args(kernel: str, kv: str, decode_slots: int | None = None):
   table = S((256, -(-1536 // kern.BLOCK_KV)), i32)
   shared = (S((256,), i32),) if kernel == "decode_shared" else ()
   fn = functools.partial(kern.attention_heads, pair_ordered=kv == "fp8_pairs",
-                         config=kern.TuningConfig(decode_slots=decode_slots))
+                         config=kern.TuningConfig(decode_slots=decode_slots, prefix_walk=prefix_walk))
   return fn, (S((256, h, d), bf), pool, pool, S((256,), i32), *sc, table, *shared)
 
 
@@ -130,9 +130,10 @@ def main():
   p.add_argument("--kv", default="fp8_pairs", choices=("fp8_pairs", "fp8", "bf16"),
                  help="fp8_pairs: the sampler's FP8 cache (pair order); fp8: codes in natural order")
   p.add_argument("--decode_slots", type=int, default=None, help="TuningConfig.decode_slots (decode kernels)")
+  p.add_argument("--prefix_walk", action="store_true", help="TuningConfig.prefix_walk (decode_shared)")
   p.add_argument("--sass_out", default=None, help="directory for each kernel's SASS listing")
   a = p.parse_args()
-  fn, args = kernel_args(a.kernel, a.kv, a.decode_slots)
+  fn, args = kernel_args(a.kernel, a.kv, a.decode_slots, a.prefix_walk)
   for i, (name, text, warps, stages) in enumerate(triton_modules(fn, *args)):
     sass = os.path.join(a.sass_out, f"{name}_{i}.sass") if a.sass_out else None
     r = compile_sm90(text, warps, stages, sass)

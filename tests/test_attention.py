@@ -448,14 +448,18 @@ def test_pair_ordered_cache_interpret_equals_natural_bitwise(shared):
 
 @pytest.mark.parametrize("form", ["bf16", "fp8-pairs"])
 def test_walking_decode_interpret_equals_one_program_per_slot_bitwise(form):
-  """``TuningConfig.decode_slots`` (one program walks the key blocks of several slots of a KV head,
-  ``attention_triton._walk_kernel``) == one program per slot, bit for bit: a page pool with and without the
-  shared-prefix pass, and a dense cache; 1, 4 or 8 slots per program over 13 sequences (the last program partly
-  past the batch), ragged positions, NaN in K and V past each slot's position on its own last page (V's rows there
-  are loaded as zeros), and a slot at position -1 (sees no key: zeros)."""
+  """The walking decode kernels == one program per slot (+ the shared-prefix pass), bit for bit:
+  ``TuningConfig.decode_slots`` (one program walks several slots of a KV head, ``attention_triton._walk_kernel``)
+  over a page pool with and without the shared-prefix pass and over a dense cache, 1, 4 or 8 slots per program
+  over 13 sequences (the last program partly past the batch); ``TuningConfig.prefix_walk`` (each shared-prefix tile
+  of 4 or 8 sequences also walks their own blocks: one pass, ``_prefix_walk_kernel``). Sequences of a group not
+  adjacent, ragged positions, NaN in K and V past each slot's position on its own last page (V's rows there are
+  loaded as zeros), a slot at position -1 (sees no key: zeros)."""
   fp8 = form != "bf16"
   groups = [(5, 2), (1, 1), (3, 3), (3, 0), (1, 2)]  # (sequences, shared blocks)
   q, k, v, table, pos, shared, (qs, vsc) = _prompt_groups(7 + fp8, groups, 2, 8, 2, 64, fp8)
+  perm = np.asarray([0, 5, 1, 6, 7, 2, 3, 4, 8, 9, 10, 11, 12])  # groups interleaved; 11 stays in the 0-block group
+  q, table, pos, shared = q[perm], table[perm], pos[perm], shared[perm]
   bk = ref.BLOCK_KV
   pos = pos.at[11].set(-1)  # in the group without shared blocks
   rows = np.arange(bk)
@@ -467,13 +471,16 @@ def test_walking_decode_interpret_equals_one_program_per_slot_bitwise(form):
     k, v = ref.pair_order(k), ref.pair_order(v)
   TC = kern.TuningConfig
   heads = functools.partial(kern.attention_heads, interpret=True, pair_ordered=fp8)
-  for extra, slots in (((table,), (8,)), ((table, shared), (1, 4))):
+  configs = (((table,), [TC(prefix_block_q=16, decode_slots=8)]),
+             ((table, shared), [TC(prefix_block_q=16, decode_slots=4), TC(prefix_block_q=16, prefix_walk=True),
+                                TC(prefix_block_q=32, prefix_walk=True)]))
+  for extra, cfgs in configs:
     want = np.asarray(heads(q, k, v, pos, qs, vsc, *extra, config=TC(prefix_block_q=16)))
     assert np.all(np.isfinite(want.astype(np.float32))) and not want[11].any()
-    for n in slots:
-      cfg = TC(prefix_block_q=16, decode_slots=n)
-      assert kern.walks(cfg, 4, k.dtype if not fp8 else jnp.uint16)
-      np.testing.assert_array_equal(np.asarray(heads(q, k, v, pos, qs, vsc, *extra, config=cfg)), want)
+    for cfg in cfgs:
+      assert cfg.prefix_walk or kern.walks(cfg, 4, k.dtype if not fp8 else jnp.uint16)
+      np.testing.assert_array_equal(np.asarray(heads(q, k, v, pos, qs, vsc, *extra, config=cfg)), want,
+                                    err_msg=str(cfg))
   b, t = 5, 150
   q2, k2, v2, ks, vs = _qkv(9, b, t, 8, 2, 64, fp8=fp8)
   ck, cv = _cache_with_stale_rows(k2, v2, 256, 3)
@@ -522,6 +529,11 @@ def test_kernels_lower_for_cuda(kv_dtype):
   dense = S((250, 1536, kv, d), kv_dtype)
   for kv_in, extra in ((pool, (S((250, 12), i32),)), (pool, (S((250, 12), i32), S((250,), i32))), (dense, ())):
     assert "triton" in lower_for_h200(walk, S((250, h, d), bf), kv_in, kv_in, S((250,), i32), *sc, *extra)
+  one_pass = functools.partial(kern.attention_heads, config=kern.TuningConfig(prefix_walk=True),
+                               pair_ordered=kv_dtype == jnp.float8_e4m3fn)  # prefix_walk: one launch (16-bit refs)
+  lowered = lower_for_h200(one_pass, S((256, h, d), bf), pool, pool, S((256,), i32), *sc, S((256, 12), i32),
+                           S((256,), i32))
+  assert lowered.count("__gpu$xla.gpu.triton") == 1
   assert "triton" in lower_for_h200(kern.attention_seq, S((64, 512, h, d), bf), pool, pool, S((64, 512), i32), *sc,
                                  S((64, 4), i32))
   if kv_dtype != jnp.float8_e4m3fn:  # the backward reads BF16 values or BF16-held codes (kv_codes)
@@ -739,9 +751,10 @@ def test_gpu_decode_rows_equal_training_rows_at_every_position(form):
 @requires_gpu
 @pytest.mark.parametrize("form", ["bf16", "fp8-pairs"])
 def test_gpu_walking_decode_equals_training_rows_at_every_position(form):
-  """``TuningConfig.decode_slots`` on the GPU (one program walking 1, 4 or 8 slots of a KV head): every position of 4
-  sequences decoded as its own slot, plain and through the shared-prefix pass, == the training rows, bit for bit (as
-  the test above does for one program per slot; stale K junk and NaN V past each position on its last page)."""
+  """The walking decode kernels on the GPU (``TuningConfig.decode_slots`` 1, 4, 8: one program walking that many
+  slots of a KV head; ``prefix_walk``: the shared-prefix tiles walking their sequences' own blocks, one pass): every
+  position of 4 sequences decoded as its own slot, plain and with shared prompt blocks, == the training rows, bit
+  for bit (as the test above does for one program per slot; stale K junk and NaN V past each position)."""
   fp8 = form != "bf16"
   b, t, h, kv, d = 4, 1000, 32, 8, 128
   q, k, v, ks, vs = _qkv(78 + fp8, b, t, h, kv, d, fp8=fp8)
@@ -756,12 +769,12 @@ def test_gpu_walking_decode_equals_training_rows_at_every_position(form):
   shared = jnp.minimum(ps // ref.BLOCK_KV, 2)
   qs, vsc = _scales(d, ks, vs)
   want = np.asarray(train[seq, ps])
-  for n in (1, 4, 8):
-    step = jax.jit(functools.partial(kern.attention_heads, config=kern.TuningConfig(decode_slots=n),
-                                     pair_ordered=fp8))
+  TC = kern.TuningConfig
+  for cfg in (TC(decode_slots=1), TC(decode_slots=4), TC(decode_slots=8), TC(prefix_walk=True)):
+    step = jax.jit(functools.partial(kern.attention_heads, config=cfg, pair_ordered=fp8))
     for sb in (None, shared):
       np.testing.assert_array_equal(np.asarray(step(q[seq, ps], pk, pv, ps, qs, vsc, table[seq], sb)), want,
-                                    err_msg=f"decode_slots={n}, shared={sb is not None}")
+                                    err_msg=f"{cfg}, shared={sb is not None}")
 
 
 @pytest.mark.gpu
