@@ -573,9 +573,9 @@ def _prefix_walk_kernel(q_ref, k_ref, v_ref, pos_ref, tiles_ref, nb_ref, sc_ref,
     parts = _parts(q_ref.shape[-1], k_ref.dtype)
     q, kv_dtype = _operands(_query_parts(q_ref, (seq_c, heads), real, parts), k_ref.dtype)
     pos_rows = jnp.where(real, pos_ref[seq_c], -1)
-    si = lax.broadcasted_iota(jnp.int32, (per_tile,), 0)
-    tseq = tiles_ref[t, :]
-    live = tseq >= 0
+    si = lax.broadcasted_iota(jnp.int32, (1 << (per_tile - 1).bit_length(),), 0)  # Triton: power-of-two shapes
+    tseq = tiles_ref[t, jnp.minimum(si, per_tile - 1)]
+    live = (si < per_tile) & (tseq >= 0)
     tseq = jnp.clip(tseq, 0, n_seq - 1)
     pos_s = jnp.where(live, pos_ref[tseq], -1)
     nb = nb_ref[jnp.minimum(lead, n_seq - 1)]  # the tile's shared blocks (0: none)
@@ -583,7 +583,7 @@ def _prefix_walk_kernel(q_ref, k_ref, v_ref, pos_ref, tiles_ref, nb_ref, sc_ref,
     first_block = jnp.where(si == 0, 0, nb)
     count = jnp.where(live, jnp.maximum(n_blocks - first_block, 0), 0)
     ends = jnp.sum(jnp.where(si[None, :] <= si[:, None], count[None, :], 0), axis=1)  # inclusive prefix sums
-    pages = pt_ref[tseq, :]  # (per_tile, padded width): the tile's page-table rows, in registers
+    pages = pt_ref[tseq, :]  # (slots, padded width): the tile's page-table rows, in registers
     qk_scale = sc_ref[0]
 
     def step(i, state):

@@ -452,7 +452,7 @@ def test_walking_decode_interpret_equals_one_program_per_slot_bitwise(form):
   ``TuningConfig.decode_slots`` (one program walks several slots of a KV head, ``attention_triton._walk_kernel``)
   over a page pool with and without the shared-prefix pass and over a dense cache, 1, 4 or 8 slots per program
   over 13 sequences (the last program partly past the batch); ``TuningConfig.prefix_walk`` (each shared-prefix tile
-  of 4 or 8 sequences also walks their own blocks: one pass, ``_prefix_walk_kernel``). Sequences of a group not
+  of 4, 5 or 8 sequences also walks their own blocks: one pass, ``_prefix_walk_kernel``). Sequences of a group not
   adjacent, ragged positions, NaN in K and V past each slot's position on its own last page (V's rows there are
   loaded as zeros), a slot at position -1 (sees no key: zeros)."""
   fp8 = form != "bf16"
@@ -481,6 +481,13 @@ def test_walking_decode_interpret_equals_one_program_per_slot_bitwise(form):
       assert cfg.prefix_walk or kern.walks(cfg, 4, k.dtype if not fp8 else jnp.uint16)
       np.testing.assert_array_equal(np.asarray(heads(q, k, v, pos, qs, vsc, *extra, config=cfg)), want,
                                     err_msg=str(cfg))
+  # G = 6: a prefix tile of 32 rows holds 5 sequences (not a power of two)
+  q6, k6, v6, table6, pos6, shared6, (qs6, vsc6) = _prompt_groups(17 + fp8, [(7, 2), (2, 1)], 1, 12, 2, 64, fp8)
+  if fp8:
+    k6, v6 = ref.pair_order(k6), ref.pair_order(v6)
+  np.testing.assert_array_equal(
+      np.asarray(heads(q6, k6, v6, pos6, qs6, vsc6, table6, shared6, config=TC(prefix_walk=True))),
+      np.asarray(heads(q6, k6, v6, pos6, qs6, vsc6, table6, shared6)))
   b, t = 5, 150
   q2, k2, v2, ks, vs = _qkv(9, b, t, 8, 2, 64, fp8=fp8)
   ck, cv = _cache_with_stale_rows(k2, v2, 256, 3)
@@ -531,9 +538,10 @@ def test_kernels_lower_for_cuda(kv_dtype):
     assert "triton" in lower_for_h200(walk, S((250, h, d), bf), kv_in, kv_in, S((250,), i32), *sc, *extra)
   one_pass = functools.partial(kern.attention_heads, config=kern.TuningConfig(prefix_walk=True),
                                pair_ordered=kv_dtype == jnp.float8_e4m3fn)  # prefix_walk: one launch (16-bit refs)
-  lowered = lower_for_h200(one_pass, S((256, h, d), bf), pool, pool, S((256,), i32), *sc, S((256, 12), i32),
-                           S((256,), i32))
-  assert lowered.count("__gpu$xla.gpu.triton") == 1
+  for heads in (h, 24):  # G = 4 and 6 (a tile of 5 sequences: Triton's shapes are padded to powers of two)
+    lowered = lower_for_h200(one_pass, S((256, heads, d), bf), pool, pool, S((256,), i32), *sc, S((256, 12), i32),
+                             S((256,), i32))
+    assert lowered.count("__gpu$xla.gpu.triton") == 1
   assert "triton" in lower_for_h200(kern.attention_seq, S((64, 512, h, d), bf), pool, pool, S((64, 512), i32), *sc,
                                  S((64, 4), i32))
   if kv_dtype != jnp.float8_e4m3fn:  # the backward reads BF16 values or BF16-held codes (kv_codes)
