@@ -435,6 +435,26 @@ def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb:
   _store_rows(o_ref, (b,), jnp.where(real, heads, o_ref.shape[1] + r), real, parts, out)
 
 
+def _inclusive_sums(count):
+  """Inclusive prefix sums of a per-slot vector (where each slot's steps of a walk end), as a masked 2-D sum (the
+  vector is short: slots per program)."""
+  si = lax.broadcasted_iota(jnp.int32, count.shape, 0)
+  return jnp.sum(jnp.where(si[None, :] <= si[:, None], count[None, :], 0), axis=1)
+
+
+def _walk_slot(ends, i):
+  """(slot, its one-hot over the program's slots) of walk step i, from the slots' end steps (``_inclusive_sums``)."""
+  s = jnp.sum((ends <= i).astype(jnp.int32))
+  return s, lax.broadcasted_iota(jnp.int32, ends.shape, 0) == s
+
+
+def _walk_page(pages, this, j):
+  """The page of key block j of the slot ``this`` selects, from the slots' page-table rows (slots, padded width)
+  held in registers (no load the K/V addresses wait on)."""
+  row = jnp.sum(jnp.where(this[:, None], pages, 0), axis=0)
+  return jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, row.shape, 0) == j, row, 0))
+
+
 def _walk_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, n_slots: int, paged: bool,
                  shared: bool, compiled: bool):
   """Decode over ``n_slots`` consecutive sequences (slots) of one key/value head in one program
@@ -461,7 +481,7 @@ def _walk_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int,
   n_blocks = jnp.minimum(lax.div(pos_s + BLOCK_KV, BLOCK_KV), n_kb)  # blocks 0 .. pos // BLOCK_KV (none at -1)
   j0 = jnp.where(live, nb_ref[seq], 0) if shared else jnp.zeros_like(si)
   count = jnp.maximum(n_blocks - j0, 1)
-  ends = jnp.sum(jnp.where(si[None, :] <= si[:, None], count[None, :], 0), axis=1)  # inclusive prefix sums
+  ends = _inclusive_sums(count)
   pages = pt_ref[seq, :] if paged else None  # (n_slots, padded width): every slot's page-table row, in registers
   r = lax.broadcasted_iota(jnp.int32, (bq,), 0)
   real = r < g
@@ -472,8 +492,7 @@ def _walk_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int,
 
   def slot_of(i):
     """(slot index, its one-hot over the program's slots, its first step) of loop step i."""
-    s = jnp.sum((ends <= i).astype(jnp.int32))
-    this = si == s
+    s, this = _walk_slot(ends, i)
     return s, this, jnp.sum(jnp.where(this, ends - count, 0))
 
   def resume_state(i):
@@ -504,8 +523,7 @@ def _walk_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int,
     q, kv_dtype = _operands(_query_parts(q_ref, (b, heads), real, parts), k_ref.dtype)
     page = None
     if paged:
-      row_pages = jnp.sum(jnp.where(this[:, None], pages, 0), axis=0)  # slot s's page-table row
-      page = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, row_pages.shape, 0) == j, row_pages, 0))
+      page = _walk_page(pages, this, j)
     start = pl.multiple_of(j * BLOCK_KV, BLOCK_KV)
     kb, vb = _load_kv(k_ref, v_ref, _block_index(b, page, start), start, kvh, kv_dtype, compiled, v_last=pos_b)
     key = start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0)
@@ -520,6 +538,21 @@ def _walk_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int,
   lax.fori_loop(0, jnp.sum(count), step, (empty, resume_state(0)))
 
 
+def _prefix_tile(q_ref, k_ref, tiles_ref, t, kvh, g: int, bq: int, per_tile: int):
+  """The rows of shared-prefix tile t for KV head ``kvh``: row r is head r % G of the tile's sequence r // G ->
+  (r, that sequence's place in the tile, sequence (clipped in range), head, real (a row of a listed sequence), the
+  head-dim parts, the rows' query operands (zeros for padding rows), the K/V block dtype)."""
+  r = lax.broadcasted_iota(jnp.int32, (bq,), 0)
+  row_slot = jnp.minimum(r // g, per_tile - 1)
+  seq = tiles_ref[t, row_slot]
+  real = (r < per_tile * g) & (seq >= 0)
+  seq_c = jnp.clip(seq, 0, q_ref.shape[0] - 1)
+  heads = kvh * g + r % g
+  parts = _parts(q_ref.shape[-1], k_ref.dtype)
+  q, kv_dtype = _operands(_query_parts(q_ref, (seq_c, heads), real, parts), k_ref.dtype)
+  return r, row_slot, seq_c, heads, real, parts, q, kv_dtype
+
+
 def _prefix_kernel(q_ref, k_ref, v_ref, tiles_ref, nb_ref, sc_ref, pt_ref, m_ref, l_ref, acc_ref, *, g: int,
                    bq: int, per_tile: int, compiled: bool):
   """One shared-prefix tile: the G heads of KV head ``kvh`` for up to ``per_tile`` sequences (``tiles_ref[t]``)
@@ -527,17 +560,11 @@ def _prefix_kernel(q_ref, k_ref, v_ref, tiles_ref, nb_ref, sc_ref, pt_ref, m_ref
   each row's online-softmax state, FP32, at row b * H + h of m / l / acc."""
   t, kvh = pl.program_id(0), pl.program_id(1)
   n_seq, n_heads = q_ref.shape[0], q_ref.shape[1]
-  r = lax.broadcasted_iota(jnp.int32, (bq,), 0)
-  seq = tiles_ref[t, jnp.minimum(r // g, per_tile - 1)]
-  real = (r < per_tile * g) & (seq >= 0)
   lead = tiles_ref[t, 0]
 
   @pl.when(lead >= 0)
   def _():
-    seq_c = jnp.clip(seq, 0, n_seq - 1)
-    heads = kvh * g + r % g
-    parts = _parts(q_ref.shape[-1], k_ref.dtype)
-    q, kv_dtype = _operands(_query_parts(q_ref, (seq_c, heads), real, parts), k_ref.dtype)
+    r, _, seq_c, heads, real, parts, q, kv_dtype = _prefix_tile(q_ref, k_ref, tiles_ref, t, kvh, g, bq, per_tile)
     first = jnp.minimum(lead, n_seq - 1)
     m, l, acc = _blocks(_empty_state(bq, parts), q, k_ref, v_ref, first, pt_ref[first, :], kvh, sc_ref[0],
                         kv_dtype, 0, nb_ref[first], compiled=compiled)
@@ -559,19 +586,13 @@ def _prefix_walk_kernel(q_ref, k_ref, v_ref, pos_ref, tiles_ref, nb_ref, sc_ref,
   the decode tile pads G rows to block_q. (slot, block) of a step is a function of the step index (``_walk_kernel``
   says why); the first sequence's steps cover the shared blocks (they are its pages too)."""
   t, kvh = pl.program_id(0), pl.program_id(1)
-  n_seq, n_heads = q_ref.shape[0], q_ref.shape[1]
-  r = lax.broadcasted_iota(jnp.int32, (bq,), 0)
-  row_slot = jnp.minimum(r // g, per_tile - 1)
-  seq = tiles_ref[t, row_slot]
-  real = (r < per_tile * g) & (seq >= 0)
+  n_seq = q_ref.shape[0]
   lead = tiles_ref[t, 0]
 
   @pl.when(lead >= 0)
   def _():
-    seq_c = jnp.clip(seq, 0, n_seq - 1)
-    heads = kvh * g + r % g
-    parts = _parts(q_ref.shape[-1], k_ref.dtype)
-    q, kv_dtype = _operands(_query_parts(q_ref, (seq_c, heads), real, parts), k_ref.dtype)
+    _, row_slot, seq_c, heads, real, parts, q, kv_dtype = _prefix_tile(q_ref, k_ref, tiles_ref, t, kvh, g, bq,
+                                                                       per_tile)
     pos_rows = jnp.where(real, pos_ref[seq_c], -1)
     si = lax.broadcasted_iota(jnp.int32, (1 << (per_tile - 1).bit_length(),), 0)  # Triton: power-of-two shapes
     tseq = tiles_ref[t, jnp.minimum(si, per_tile - 1)]
@@ -582,18 +603,16 @@ def _prefix_walk_kernel(q_ref, k_ref, v_ref, pos_ref, tiles_ref, nb_ref, sc_ref,
     n_blocks = jnp.minimum(lax.div(pos_s + BLOCK_KV, BLOCK_KV), n_kb)
     first_block = jnp.where(si == 0, 0, nb)
     count = jnp.where(live, jnp.maximum(n_blocks - first_block, 0), 0)
-    ends = jnp.sum(jnp.where(si[None, :] <= si[:, None], count[None, :], 0), axis=1)  # inclusive prefix sums
+    ends = _inclusive_sums(count)
     pages = pt_ref[tseq, :]  # (slots, padded width): the tile's page-table rows, in registers
     qk_scale = sc_ref[0]
 
     def step(i, state):
-      s = jnp.sum((ends <= i).astype(jnp.int32))  # this step's sequence (slot of the tile)
-      this = si == s
+      s, this = _walk_slot(ends, i)  # this step's sequence (slot of the tile)
       pick = lambda x: jnp.sum(jnp.where(this, x, 0))  # noqa: E731
       j = pick(first_block) + i - (pick(ends) - pick(count))
       pos_b = pick(pos_s)
-      row_pages = jnp.sum(jnp.where(this[:, None], pages, 0), axis=0)
-      page = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, row_pages.shape, 0) == j, row_pages, 0))
+      page = _walk_page(pages, this, j)
       start = pl.multiple_of(j * BLOCK_KV, BLOCK_KV)
       kb, vb = _load_kv(k_ref, v_ref, _block_index(None, page, start), start, kvh, kv_dtype, compiled, v_last=pos_b)
       key = start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0)

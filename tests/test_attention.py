@@ -736,23 +736,31 @@ def test_gpu_decode_rows_equal_training_rows_at_every_position(form):
   == the training rows, bit for bit: ~16M output elements, enough to catch the rare rounding differences (~1e-5 of
   the elements) that a layout-dependent reduction in one tile shape leaves, which the small checks above can miss."""
   fp8, po = form != "bf16", form == "fp8-pairs"
-  b, t, h, kv, d = 4, 1000, 32, 8, 128
-  q, k, v, ks, vs = _qkv(77 + fp8 + po, b, t, h, kv, d, fp8=fp8)
-  train = fp8jax.jit(lambda q, k, v: attn.attend(q, k, v, k_scale=ks, v_scale=vs, backend="pallas"))(
-      q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
-  ck, cv = _cache_with_stale_rows(k, v, kvcache.padded_len(t), 4)
-  pk, pv, table = _shuffled_pages(ck, cv, ref.BLOCK_KV, 5)
-  if po:
-    pk, pv = ref.pair_order(pk), ref.pair_order(pv)
-  seq = jnp.repeat(jnp.arange(b), t)
-  ps = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)
-  shared = jnp.minimum(ps // ref.BLOCK_KV, 2)
+  q, pk, pv, ps, table, shared, ks, vs, want = _every_position_case(77 + fp8 + po, fp8, po, 4)
   step = fp8jax.jit(lambda q, p, pt, sb: attn.attend(q[:, None], pk, pv, p[:, None], k_scale=ks, v_scale=vs,
                                                      backend="pallas", page_table=pt, shared_blocks=sb,
                                                      pair_ordered=po)[:, 0])
-  want = np.asarray(train[seq, ps])
-  np.testing.assert_array_equal(np.asarray(step(q[seq, ps], ps, table[seq], None)), want)
-  np.testing.assert_array_equal(np.asarray(step(q[seq, ps], ps, table[seq], shared)), want)
+  np.testing.assert_array_equal(np.asarray(step(q, ps, table, None)), want)
+  np.testing.assert_array_equal(np.asarray(step(q, ps, table, shared)), want)
+
+
+def _every_position_case(seed, fp8, pair_ordered, stale_seed):
+  """Every position of 4 sequences of 1000 tokens (32 query / 8 KV heads, head_dim 128) as its own decode slot over
+  a page pool in shuffled order (stale K junk and NaN V past each sequence: pages seed ``stale_seed + 1``) -> (the
+  slots' queries, K pool, V pool, positions, page-table rows, shared prompt blocks (1 / 2 past 128 / 256 keys),
+  k_scale, v_scale, the training rows at those positions through the Pallas kernels)."""
+  b, t, h, kv, d = 4, 1000, 32, 8, 128
+  q, k, v, ks, vs = _qkv(seed, b, t, h, kv, d, fp8=fp8)
+  train = fp8jax.jit(lambda q, k, v: attn.attend(q, k, v, k_scale=ks, v_scale=vs, backend="pallas"))(
+      q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+  ck, cv = _cache_with_stale_rows(k, v, kvcache.padded_len(t), stale_seed)
+  pk, pv, table = _shuffled_pages(ck, cv, ref.BLOCK_KV, stale_seed + 1)
+  if pair_ordered:
+    pk, pv = ref.pair_order(pk), ref.pair_order(pv)
+  seq = jnp.repeat(jnp.arange(b), t)
+  ps = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)
+  return (q[seq, ps], pk, pv, ps, table[seq], jnp.minimum(ps // ref.BLOCK_KV, 2), ks, vs,
+          np.asarray(train[seq, ps]))
 
 
 @pytest.mark.gpu
@@ -764,24 +772,13 @@ def test_gpu_walking_decode_equals_training_rows_at_every_position(form):
   position of 4 sequences decoded as its own slot, plain and with shared prompt blocks, == the training rows, bit
   for bit (as the test above does for one program per slot; stale K junk and NaN V past each position)."""
   fp8 = form != "bf16"
-  b, t, h, kv, d = 4, 1000, 32, 8, 128
-  q, k, v, ks, vs = _qkv(78 + fp8, b, t, h, kv, d, fp8=fp8)
-  train = fp8jax.jit(lambda q, k, v: attn.attend(q, k, v, k_scale=ks, v_scale=vs, backend="pallas"))(
-      q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
-  ck, cv = _cache_with_stale_rows(k, v, kvcache.padded_len(t), 6)
-  pk, pv, table = _shuffled_pages(ck, cv, ref.BLOCK_KV, 7)
-  if fp8:
-    pk, pv = ref.pair_order(pk), ref.pair_order(pv)
-  seq = jnp.repeat(jnp.arange(b), t)
-  ps = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)
-  shared = jnp.minimum(ps // ref.BLOCK_KV, 2)
-  qs, vsc = _scales(d, ks, vs)
-  want = np.asarray(train[seq, ps])
+  q, pk, pv, ps, table, shared, ks, vs, want = _every_position_case(78 + fp8, fp8, fp8, 6)
+  qs, vsc = _scales(q.shape[-1], ks, vs)
   TC = kern.TuningConfig
   for cfg in (TC(decode_slots=1), TC(decode_slots=4), TC(decode_slots=8), TC(prefix_walk=True)):
     step = jax.jit(functools.partial(kern.attention_heads, config=cfg, pair_ordered=fp8))
     for sb in (None, shared):
-      np.testing.assert_array_equal(np.asarray(step(q[seq, ps], pk, pv, ps, qs, vsc, table[seq], sb)), want,
+      np.testing.assert_array_equal(np.asarray(step(q, pk, pv, ps, qs, vsc, table, sb)), want,
                                     err_msg=f"{cfg}, shared={sb is not None}")
 
 
