@@ -21,6 +21,10 @@ How a batch of requests (prompts x n samples) is generated:
      renormalization, so sampler-vs-trainer mismatch measures numerics only;
   6. on the Hopper kernels q/k/v and gate/up run as one GEMM each over weights concatenated once per call
      (``fp8jax.model.fuse``: the fused GEMM's columns are bitwise the separate GEMMs').
+  7. on a multi-device mesh without tensor parallelism, rollouts are data parallel: every device runs steps 1-6 on
+     its own share of the prompts with slots / devices slots, its own pages and a whole copy of the sampling weights
+     (gathered once per call), so neither the pool nor the decode loop spans devices (``SamplerConfig.data_parallel``;
+     the outputs are the one-device sampler's, bit for bit).
 Randomness is per request: the key of generated token i of request r is fold_in(fold_in(key(seed), r), i), so a
 request's completion does not depend on which slot or batch it ran in.
 """
@@ -30,17 +34,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import math
 import time
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
 import fp8jax
 from fp8jax import attention as attn
 from fp8jax import kvcache as kvc
-from fp8jax import ops, quant
+from fp8jax import ops, quant, sharding
 from fp8jax.model import fuse, head, llama
 from fp8jax.model.config import ModelConfig
 
@@ -101,6 +108,11 @@ class SamplerConfig:
   # q/k/v and gate/up as one GEMM each where the kernels make the fused columns bitwise the separate GEMMs
   # (``fp8jax.model.fuse``; same bits either way, off only to measure it)
   fuse_projections: bool = True
+  # On a mesh without tensor parallelism, each device generates its own share of the requests: a full copy of the
+  # sampling weights (gathered once per generate call), slots / devices slots and its own KV pages (``Sampler``'s
+  # "Data-parallel rollouts"). Same tokens and log-probs either way; False: one SPMD program over the mesh, whose
+  # page pool every device holds whole and whose weights are gathered layer by layer at every decode step.
+  data_parallel: bool = True
 
   def __post_init__(self):
     if self.kv_cache not in quant.KV_CACHE_KINDS:  # the trainer sets it from fp8.kv_cache, validated by Recipe
@@ -196,6 +208,8 @@ class _Requests:
   prompt_of_req: jax.Array  # (R,) prompt index of each request
   prompt_len: jax.Array  # (Np,)
   last_tok: jax.Array  # (Np,) the last prompt token (re-read by the first decode step)
+  n_req: jax.Array  # () requests to generate: the first n_req of prompt_of_req (the rest pad a device's share)
+  req_offset: jax.Array  # () the call's id of request 0 (data-parallel shares: the device's first request)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +283,11 @@ class Sampler:
     self.cfg, self.scfg, self.lcfg = model_cfg, sampler_cfg, lcfg
     if sampler_cfg.max_len > model_cfg.max_seq_len:
       raise ValueError(f"rollout.max_len={sampler_cfg.max_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
+    d = self.rollout_devices()
+    if sampler_cfg.slots % d:
+      raise ValueError(f"rollout.slots={sampler_cfg.slots} must be a multiple of the {d} devices that generate "
+                       f"rollouts (mesh axes {self._rollout_axes()}: each runs slots / {d} of them), or set "
+                       f"rollout.data_parallel=False (one program over the mesh)")
 
   def _key(self):
     return (self.cfg, self.scfg, self.lcfg)
@@ -305,8 +324,7 @@ class Sampler:
 
   # -- jitted pieces ------------------------------------------------------------------------------------------------
 
-  @functools.partial(fp8jax.jit, static_argnums=(0, 5, 6))
-  def _prefill(self, params, tokens_PxT, k_scale_L, v_scale_L, lay: PageLayout, kv_cache: str):
+  def _prefill_fn(self, params, tokens_PxT, k_scale_L, v_scale_L, lay: PageLayout, kv_cache: str):
     """(the pool with every prompt's pages written, its page table each slot on its own pages; the forward's
     ForwardAux: per-layer K/V amax). ``kv_cache``: the cache kind ("bf16" for the KV-scale calibration)."""
     heads, head_dim, values = self.cfg.kv_cache_layout  # GQA K and V, or MLA's latent
@@ -316,6 +334,10 @@ class Sampler:
     pos = jnp.broadcast_to(jnp.arange(tokens_PxT.shape[1], dtype=jnp.int32), tokens_PxT.shape)
     _, cache, aux = llama.forward(params, tokens_PxT, self.cfg, self.lcfg, positions_BxT=pos, cache=cache)
     return dataclasses.replace(cache, page_table=lay.own_table()), aux
+
+  # Jitted alone (one device, or one SPMD program over the mesh); data-parallel rollouts trace the plain functions
+  # per device inside their own jit.
+  _prefill = fp8jax.jit(_prefill_fn, static_argnums=(0, 5, 6))
 
   def _pair_ordered(self, kv_cache: str) -> bool:
     """An FP8 K/V cache is held in pair order where the attention kernels read it (``KVCache.pair_ordered``: the
@@ -334,7 +356,7 @@ class Sampler:
     s, r = st.slot_req.shape[0], rq.prompt_of_req.shape[0]
     free = st.slot_req < 0
     rank = jnp.cumsum(free) - 1
-    take = free & (rank < jnp.minimum(r - st.next_req, cap))
+    take = free & (rank < jnp.minimum(rq.n_req - st.next_req, cap))
     req = st.next_req + rank
     p = rq.prompt_of_req[jnp.clip(req, 0, r - 1)]
     plen = rq.prompt_len[p]
@@ -357,8 +379,8 @@ class Sampler:
   def _start(self, state: _State, rq: _Requests, lay: PageLayout):
     return self._take(state, rq, lay, lay.slots)
 
-  @functools.partial(fp8jax.jit, static_argnums=(0, 4, 5, 6), donate_argnums=(2,))
-  def _decode(self, params, state: _State, rq: _Requests, lay: PageLayout, sp: SamplingParams, steps: int, base_key):
+  def _decode_fn(self, params, state: _State, rq: _Requests, lay: PageLayout, sp: SamplingParams, steps: int,
+                 base_key):
     """Up to ``steps`` decode steps (fewer if every request is done), each starting with the slot refills."""
     c, max_new = self.cfg, sp.max_new_tokens
     params = ops.with_kernel_scales(params, self.lcfg)  # the GEMM kernel's scale layout, once per call (same bits)
@@ -381,7 +403,7 @@ class Sampler:
       lp_temp = sp.temperature if not sp.greedy else 1.0
       lg, lse = head.logits_and_lse(head.head_weight(params, c.tie_embeddings), hidden[:, 0], self.lcfg, lp_temp)
       keys = jax.vmap(lambda r, g: jax.random.fold_in(jax.random.fold_in(base_key, r), g))(
-          jnp.maximum(st.slot_req, 0), st.slot_gen)
+          jnp.maximum(st.slot_req, 0) + rq.req_offset, st.slot_gen)
       tok = sample_tokens(keys, lg, sp)
       lp = head.token_logprob(lg, lse, tok, lp_temp)
       req = jnp.where(active, st.slot_req, n_req)  # inactive slots write out of range -> dropped
@@ -403,9 +425,11 @@ class Sampler:
 
     def running(carry):
       i, st = carry
-      return (i < steps) & ~_all_done(st, n_req)
+      return (i < steps) & ~_all_done(st, rq.n_req)
 
     return jax.lax.while_loop(running, step, (jnp.int32(0), state))[1]
+
+  _decode = fp8jax.jit(_decode_fn, static_argnums=(0, 4, 5, 6), donate_argnums=(2,))
 
   # -- driver -------------------------------------------------------------------------------------------------------
 
@@ -447,57 +471,198 @@ class Sampler:
     toks = np.zeros((len(prompts), bucket), np.int32)
     for i, p in enumerate(prompts):
       toks[i, :len(p)] = p
-    return jnp.asarray(toks), lens
+    return toks, lens
 
   def generate(self, params, prompts: list[list[int]], sp: SamplingParams, n: int = 1, kv_scales=None) -> Rollout:
     """Generates ``n`` completions for each prompt. ``params`` from ``prepare_params`` (or raw master params)."""
     c, s = self.cfg, self.scfg
-    params = self.fuse_projections(params)
     toks, lens = self._pad_prompts(prompts)
+    if s.kv_cache == "fp8" and kv_scales is None:
+      raise ValueError("fp8.kv_cache='fp8' (SamplerConfig.kv_cache) needs kv_scales (from the trainer's amax or "
+                       "calibrate_kv_scales)")
+    ks, vs = kv_scales if s.kv_cache == "fp8" else (jnp.ones(c.n_layers), jnp.ones(c.n_layers))
+    n_prompts, r = toks.shape[0], toks.shape[0] * n
+    t0 = time.perf_counter()
+    run = self._run_one if self.rollout_devices() == 1 else self._run_data_parallel
+    out, lay, t_prefill = run(params, toks, lens, ks, vs, sp, n)
+    out = {k: np.asarray(v) for k, v in out.items()}
+    t_total = time.perf_counter() - t0
+    out_len = out["lengths"][:r]
+    gen_tokens = int(out_len.sum())
+    steps = int(out["steps"].max())
+    # The ideal schedule of each device's own queue (one device: the whole call's), the slowest one bounding.
+    d = self.rollout_devices()
+    per_dev = -(-n_prompts // d) * n
+    fcfs = max(fcfs_decode_steps(out_len[i * per_dev:(i + 1) * per_dev], lay.slots, s.max_refills_per_step)
+               for i in range(d))
+    stats = {"prefill_s": t_prefill, "generate_s": t_total, "generated_tokens": gen_tokens,
+             "prefill_tokens": int(lens.sum()), "gen_tokens_per_s": gen_tokens / max(t_total - t_prefill, 1e-9),
+             "prefill_tokens_per_s": int(lens.sum()) / max(t_prefill, 1e-9), "decode_steps": steps,
+             "mean_occupancy": float(out["busy"].sum()) / max(steps * s.slots, 1),
+             "occupancy_bound": gen_tokens / max(fcfs * s.slots, 1),
+             "kv_pages": lay.n_pages, "kv_cache_bytes": self._pool_bytes(lay), "rollout_devices": d}
+    prompt_of_req = np.repeat(np.arange(n_prompts), n)
+    return Rollout(prompt_idx=prompt_of_req, prompt_tokens=toks[prompt_of_req], prompt_lens=lens[prompt_of_req],
+                   tokens=out["tokens"][:r], logprobs=out["logprobs"][:r], lengths=out_len,
+                   finish_reason=out["finish"][:r], stats=stats)
+
+  def _run_one(self, params, toks, lens, ks, vs, sp: SamplingParams, n: int):
+    """The call as one program (one device, or SPMD over the mesh): (outputs, page layout, prefill seconds)."""
+    s = self.scfg
+    params = self.fuse_projections(params)
     n_prompts, bucket = toks.shape
     lay = self.layout(n_prompts, bucket, sp.max_new_tokens)
     self._check_memory(lay)
-    fp8 = s.kv_cache == "fp8"
-    if fp8 and kv_scales is None:
-      raise ValueError("fp8.kv_cache='fp8' (SamplerConfig.kv_cache) needs kv_scales (from the trainer's amax or "
-                       "calibrate_kv_scales)")
-    ks, vs = kv_scales if fp8 else (jnp.ones(c.n_layers), jnp.ones(c.n_layers))
     r = n_prompts * n
-    prompt_of_req = np.repeat(np.arange(n_prompts), n)
-    rq = _Requests(prompt_of_req=jnp.asarray(prompt_of_req, jnp.int32), prompt_len=jnp.asarray(lens, jnp.int32),
-                   last_tok=jnp.asarray(np.asarray(toks)[np.arange(n_prompts), lens - 1], jnp.int32))
+    rq = jax.tree.map(jnp.asarray, _requests(toks, lens, n, n_req=r, offset=0))
     t0 = time.perf_counter()
-    cache, _ = self._prefill(params, toks, ks, vs, lay, s.kv_cache)
+    cache, _ = self._prefill(params, jnp.asarray(toks), ks, vs, lay, s.kv_cache)
     jax.block_until_ready(cache.k[0])
     t_prefill = time.perf_counter() - t0
-
-    zeros = lambda *shape, dt=jnp.int32: jnp.zeros(shape, dt)  # noqa: E731
-    state = _State(cache=cache, slot_req=jnp.full((s.slots,), -1, jnp.int32), slot_pos=zeros(s.slots),
-                   slot_tok=zeros(s.slots), slot_gen=zeros(s.slots), next_req=zeros(), out_tok=zeros(r, sp.max_new_tokens),
-                   out_lp=zeros(r, sp.max_new_tokens, dt=jnp.float32), out_len=zeros(r), out_finish=zeros(r),
-                   steps=zeros(), busy_steps=zeros())
-    state = self._start(state, rq, lay)
+    state = self._start(_new_state(cache, s.slots, r, sp.max_new_tokens), rq, lay)
     base_key = jax.random.key(sp.seed)
     static_sp = dataclasses.replace(sp, seed=0)  # the seed is traced (base_key): no recompile per seed
     while True:
       state = self._decode(params, state, rq, lay, static_sp, s.decode_chunk, base_key)
       if bool(_all_done(state, r)):  # one host sync per chunk
         break
-    out_len = np.asarray(state.out_len)
-    t_total = time.perf_counter() - t0
-    gen_tokens = int(out_len.sum())
-    steps = int(state.steps)
-    stats = {"prefill_s": t_prefill, "generate_s": t_total, "generated_tokens": gen_tokens,
-             "prefill_tokens": int(lens.sum()), "gen_tokens_per_s": gen_tokens / max(t_total - t_prefill, 1e-9),
-             "prefill_tokens_per_s": int(lens.sum()) / max(t_prefill, 1e-9), "decode_steps": steps,
-             "mean_occupancy": float(np.asarray(state.busy_steps)) / max(steps * s.slots, 1),
-             "occupancy_bound": gen_tokens / max(fcfs_decode_steps(out_len, s.slots, s.max_refills_per_step)
-                                                 * s.slots, 1),
-             "kv_pages": lay.n_pages, "kv_cache_bytes": self._pool_bytes(lay)}
-    toks_np = np.asarray(toks)
-    return Rollout(prompt_idx=prompt_of_req, prompt_tokens=toks_np[prompt_of_req], prompt_lens=lens[prompt_of_req],
-                   tokens=np.asarray(state.out_tok), logprobs=np.asarray(state.out_lp), lengths=out_len,
-                   finish_reason=np.asarray(state.out_finish), stats=stats)
+    return (dict(tokens=state.out_tok, logprobs=state.out_lp, lengths=state.out_len, finish=state.out_finish,
+                 steps=state.steps[None], busy=state.busy_steps[None]), lay, t_prefill)
+
+  # -- data-parallel rollouts ---------------------------------------------------------------------------------------
+  #
+  # On a mesh without tensor parallelism every device runs the one-device sampler (``_local``: slots / devices
+  # slots, no mesh) on its own share of the prompts: prompts [i * Pd, (i + 1) * Pd) on the i-th device of the batch
+  # axes (the last share padded with one-token prompts that no slot takes), their pages in its own pool, the
+  # weights whole on every device (gathered once per call, not per layer and step). Inside the decode loop no device
+  # waits for another; the host syncs once per chunk on the count of devices with requests left. A request's
+  # tokens and log-probs do not depend on where it runs: its random key is that of its id in the whole call
+  # (``_Requests.req_offset``) and the kernels are batch invariant, so the outputs are the one-device sampler's
+  # (tests/test_sampler_parallel.py). Each device's state carries a leading axis of 1, stacked over the devices.
+
+  def _rollout_axes(self) -> tuple[str, ...] | None:
+    """The mesh axes whose devices generate their own share of the requests, or None (one program)."""
+    mesh = self.lcfg.mesh
+    if not self.scfg.data_parallel or not sharding.multi_device(mesh) or sharding.tensor_axis(mesh):
+      return None
+    return tuple(a for a in sharding.BATCH_AXES if mesh.shape.get(a, 1) > 1) or None
+
+  def rollout_devices(self) -> int:
+    """How many devices generate their own share of the requests (1: one program for the call)."""
+    axes = self._rollout_axes()
+    return 1 if axes is None else math.prod(self.lcfg.mesh.shape[a] for a in axes)
+
+  def _local(self) -> "Sampler":
+    """The sampler each device runs in data-parallel rollouts."""
+    return Sampler(self.cfg, dataclasses.replace(self.scfg, slots=self.scfg.slots // self.rollout_devices(),
+                                                 data_parallel=False),
+                   dataclasses.replace(self.lcfg, mesh=None))
+
+  def _run_data_parallel(self, params, toks, lens, ks, vs, sp: SamplingParams, n: int):
+    mesh, axes, d = self.lcfg.mesh, self._rollout_axes(), self.rollout_devices()
+    local = self._local()
+
+    def put(x, spec):  # a host array every process holds whole, placed by ``spec``
+      x = np.asarray(x)
+      return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
+
+    params = local.fuse_projections(jax.device_put(params, NamedSharding(mesh, P())))
+    n_prompts, bucket = toks.shape
+    per = -(-n_prompts // d)  # prompts per device
+    pad = per * d - n_prompts
+    toks = np.concatenate([toks, np.zeros((pad, bucket), np.int32)])
+    lens = np.concatenate([lens, np.ones(pad, np.int32)])
+    lay = local.layout(per, bucket, sp.max_new_tokens)
+    local._check_memory(lay)
+    real = np.clip(n_prompts - per * np.arange(d), 0, per) * n  # each device's requests (the rest pad its share)
+    rq = _requests(toks, lens, n, n_req=real, offset=per * n * np.arange(d))
+    rq = _Requests(prompt_of_req=put(rq.prompt_of_req[:per * n], P()),
+                   **{f: put(getattr(rq, f), P(axes)) for f in ("prompt_len", "last_tok", "n_req", "req_offset")})
+    scales = put(np.asarray(ks, np.float32), P()), put(np.asarray(vs, np.float32), P())
+    t0 = time.perf_counter()
+    state = self._dp_start(params, put(toks, P(axes)), *scales, rq, lay, sp.max_new_tokens)
+    jax.block_until_ready(state.cache.k[0])
+    t_prefill = time.perf_counter() - t0
+    key = put(jax.random.key_data(jax.random.key(sp.seed)), P())  # the one-device call's key, as data
+    static_sp = dataclasses.replace(sp, seed=0)
+    while True:
+      state, pending = self._dp_decode(params, state, rq, key, lay, static_sp, self.scfg.decode_chunk)
+      if not int(pending):  # one host sync per chunk: devices with requests left
+        break
+    return self._dp_outputs(state), lay, t_prefill
+
+  def _per_device(self, fn, in_specs, out_specs):
+    return sharding.per_device(fn, self.lcfg.mesh, in_specs, out_specs)
+
+  def _rq_specs(self) -> _Requests:
+    split = P(self._rollout_axes())
+    return _Requests(prompt_of_req=P(), prompt_len=split, last_tok=split, n_req=split, req_offset=split)
+
+  @functools.partial(fp8jax.jit, static_argnums=(0, 6, 7))
+  def _dp_start(self, params, toks, ks, vs, rq: _Requests, lay: PageLayout, max_new: int):
+    local, split = self._local(), P(self._rollout_axes())
+
+    def body(params, toks, ks, vs, rq):
+      rq = _one_share(rq)
+      cache, _ = local._prefill_fn(params, toks, ks, vs, lay, local.scfg.kv_cache)
+      st = _new_state(cache, lay.slots, rq.prompt_of_req.shape[0], max_new)
+      return _stacked(local._take(st, rq, lay, lay.slots))
+
+    return self._per_device(body, (P(), split, P(), P(), self._rq_specs()), split)(params, toks, ks, vs, rq)
+
+  @functools.partial(fp8jax.jit, static_argnums=(0, 5, 6, 7), donate_argnums=(2,))
+  def _dp_decode(self, params, state, rq: _Requests, key_data, lay: PageLayout, sp: SamplingParams, steps: int):
+    local, axes = self._local(), self._rollout_axes()
+
+    def body(params, state, rq, key_data):
+      rq, st = _one_share(rq), _unstacked(state)
+      st = local._decode_fn(params, st, rq, lay, sp, steps, jax.random.wrap_key_data(key_data))
+      return _stacked(st), lax.psum((~_all_done(st, rq.n_req)).astype(jnp.int32), axes)
+
+    return self._per_device(body, (P(), P(axes), self._rq_specs(), P()), (P(axes), P()))(
+        params, state, rq, key_data)
+
+  @functools.partial(fp8jax.jit, static_argnums=(0,))
+  def _dp_outputs(self, state):
+    """Every device's outputs, concatenated in request order, on every device (readable by every process)."""
+    axes = self._rollout_axes()
+
+    def body(state):
+      st = _unstacked(state)
+      gather = functools.partial(lax.all_gather, axis_name=axes, tiled=True)
+      return dict(tokens=gather(st.out_tok), logprobs=gather(st.out_lp), lengths=gather(st.out_len),
+                  finish=gather(st.out_finish), steps=gather(st.steps[None]), busy=gather(st.busy_steps[None]))
+
+    return self._per_device(body, (P(axes),), P())(state)
+
+
+def _requests(toks, lens, n: int, *, n_req, offset) -> _Requests:
+  """The requests of ``n`` samples of each prompt (request r is sample r % n of prompt r // n), host arrays."""
+  n_prompts = toks.shape[0]
+  return _Requests(prompt_of_req=np.repeat(np.arange(n_prompts, dtype=np.int32), n),
+                   prompt_len=np.asarray(lens, np.int32), last_tok=np.asarray(toks[np.arange(n_prompts), lens - 1]),
+                   n_req=np.asarray(n_req, np.int32), req_offset=np.asarray(offset, np.int32))
+
+
+def _new_state(cache: kvc.KVCache, slots: int, n_req: int, max_new: int) -> _State:
+  zeros = lambda *shape, dt=jnp.int32: jnp.zeros(shape, dt)  # noqa: E731
+  return _State(cache=cache, slot_req=jnp.full((slots,), -1, jnp.int32), slot_pos=zeros(slots), slot_tok=zeros(slots),
+                slot_gen=zeros(slots), next_req=zeros(), out_tok=zeros(n_req, max_new),
+                out_lp=zeros(n_req, max_new, dt=jnp.float32), out_len=zeros(n_req), out_finish=zeros(n_req),
+                steps=zeros(), busy_steps=zeros())
+
+
+def _one_share(rq: _Requests) -> _Requests:
+  """A device's requests inside ``shard_map`` (its (1,) count and offset as scalars)."""
+  return dataclasses.replace(rq, n_req=rq.n_req[0], req_offset=rq.req_offset[0])
+
+
+def _stacked(tree):
+  return jax.tree.map(lambda x: x[None], tree)
+
+
+def _unstacked(tree):
+  return jax.tree.map(lambda x: x[0], tree)
 
 
 def _all_done(st: _State, n_requests: int):

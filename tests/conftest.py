@@ -100,6 +100,7 @@ _LONGEST = {
     "tests/test_trainer.py::test_moe_rl_step_with_and_without_the_load_balancing_loss": 124,
     "tests/test_trainer.py::test_resume_gives_the_same_metrics": 98,
     "tests/test_moe_parallel.py::test_expert_parallel_block_is_one_device_bitwise": 79,
+    "tests/test_sampler_parallel.py::test_data_parallel_rollouts_equal_one_device": 77,  # alone, 2026-12-05
 }
 
 

@@ -84,7 +84,8 @@ for name, mesh in (("one", dict(data=1, fsdp=1, expert=1, tensor=1)), ("ep", dic
   tr.warmstart()
   before = np.asarray(tr.state.params["layers"][0]["expert_up"])
   m = tr.step(0)
-  out[name] = {{k: float(m[k]) for k in ("loss", "grad_norm", "reward_mean", "token_mult_prob_error")}}
+  out[name] = {{k: float(m[k]) for k in ("loss", "grad_norm", "reward_mean", "token_mult_prob_error",
+                                        "rollout_devices")}}
   w = tr.state.params["layers"][0]["expert_up"]
   out[name + "_spec"] = [str(s) for s in w.sharding.spec]
   np.save(os.path.join({tmp!r}, name + "_dw.npy"), np.asarray(w) - before)
@@ -124,8 +125,8 @@ def test_expert_parallel_block_is_one_device_bitwise():
 def test_grpo_step_with_expert_parallelism(tmp_path):
   """configs/tiny_moe_fp8.py, one GRPO step (rewards with variance) on one device and on 4 fake devices with the
   4 experts of each layer one per device (expert 4: every other weight replicated, tokens split 4 ways): the same
-  rollouts (equal reward mean), sampler == trainer exactly on the expert-parallel mesh (the decode steps' 16 slots
-  run the experts through the same exchange as the training rows), loss and gradient norm within summation order
+  rollouts (equal reward mean; data-parallel rollouts, each device its 4 of the 16 slots with every expert),
+  sampler == trainer exactly on the expert-parallel mesh (the training rows through the experts' exchange), loss and gradient norm within summation order
   (the replicated weights' gradients are summed over the 4 devices), the experts' update (Adam with eps 1: about
   -lr x gradient) pointing the same way (cosine >= 0.99: the summation-order differences upstream round FP8
   differently; a wrong expert gradient gives ~0), the expert weights stored split over the expert axis. (With
@@ -136,6 +137,7 @@ def test_grpo_step_with_expert_parallelism(tmp_path):
   assert out["one"]["grad_norm"] > 0, out
   assert out["one"]["reward_mean"] == out["ep"]["reward_mean"], out
   assert out["ep"]["token_mult_prob_error"] == 1.0, out
+  assert (out["one"]["rollout_devices"], out["ep"]["rollout_devices"]) == (1, 4), out
   for k in ("loss", "grad_norm"):
     np.testing.assert_allclose(out["ep"][k], out["one"][k], rtol=2e-2, atol=1e-5)
   d1, d = (np.load(tmp_path / f"{n}_dw.npy").ravel() for n in ("one", "ep"))

@@ -168,7 +168,8 @@ class RLTrainer:
                                      shared_prefix_attention=r.get("shared_prefix_attention",
                                                                    sampler_lib.SamplerConfig.shared_prefix_attention),
                                      fuse_projections=r.get("fuse_projections",
-                                                            sampler_lib.SamplerConfig.fuse_projections))
+                                                            sampler_lib.SamplerConfig.fuse_projections),
+                                     data_parallel=r.get("data_parallel", sampler_lib.SamplerConfig.data_parallel))
     self.task = make_source(config, self.cfg.vocab_size)
     sp = sampler_lib.SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                     max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(self.task.eos_ids))
@@ -295,6 +296,7 @@ class RLTrainer:
     host["gen_tokens_per_s"] = col.stats.get("generated_tokens", 0) / max(col.timing["rollout_s"], 1e-9)
     host["mean_occupancy"] = col.stats.get("mean_occupancy", 0.0) / max(len(col.parts), 1)
     host["occupancy_bound"] = col.stats.get("occupancy_bound", 0.0) / max(len(col.parts), 1)  # what lengths allow
+    host["rollout_devices"] = self.worker.sampler.rollout_devices()  # devices generating their own share
     return Launched(step, host, dev, minibatches, lrs, n_adv, t_start, t_dispatch)
 
   def finish(self, launched: Launched) -> dict:
