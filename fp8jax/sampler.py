@@ -307,6 +307,14 @@ class Sampler:
       return params
     return self._fuse(params)
 
+  def sampling_form(self, params):
+    """``params`` (``prepare_params`` output) in the form ``generate`` runs: ``fuse_projections``, and with
+    data-parallel rollouts whole on every device (gathered once). Idempotent: ``generate`` calls it, the rollout
+    worker's refit calls it once per step, so a step gathers and fuses once and holds one form."""
+    if self.rollout_devices() == 1:
+      return self.fuse_projections(params)
+    return self._local().fuse_projections(jax.device_put(params, NamedSharding(self.lcfg.mesh, P())))
+
   @functools.partial(fp8jax.jit, static_argnums=(0,))
   def _fuse(self, params):
     return fuse.fuse_layers(params, self.lcfg)
@@ -457,7 +465,10 @@ class Sampler:
     toks, _ = self._pad_prompts(prompts)
     lay = dataclasses.replace(self.layout(*toks.shape, 1), slots=0)  # the prompts' pages only
     ones = jnp.ones(self.cfg.n_layers)
-    _, aux = self._prefill(params, toks, ones, ones, lay, "bf16")
+    # data-parallel rollouts: the one-device program on the weights whole on every device (replicated work, once
+    # per run), as their decode steps run; else the call's own program
+    runner = self if self.rollout_devices() == 1 else self._local()
+    _, aux = runner._prefill(self.sampling_form(params), toks, ones, ones, lay, "bf16")
     return kvc.scales_from_amax(aux.k_amax_L, margin), kvc.scales_from_amax(aux.v_amax_L, margin)
 
   def _pad_prompts(self, prompts):
@@ -566,7 +577,7 @@ class Sampler:
       x = np.asarray(x)
       return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
 
-    params = local.fuse_projections(jax.device_put(params, NamedSharding(mesh, P())))
+    params = self.sampling_form(params)
     n_prompts, bucket = toks.shape
     per = -(-n_prompts // d)  # prompts per device
     pad = per * d - n_prompts

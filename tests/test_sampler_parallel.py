@@ -43,6 +43,8 @@ def run(tag, mesh_cfg, **scfg_changes):
     sampler = S.Sampler(cfg, s, dataclasses.replace(lcfg, mesh=mesh))
     p = jax.device_put(sparams, sharding.tree_shardings(sparams, mesh))
   out = {{}}
+  scales = sampler.calibrate_kv_scales(p, prompts, 1.25)
+  np.savez(os.path.join({tmp!r}, f"{{tag}}_scales.npz"), k=np.asarray(scales[0]), v=np.asarray(scales[1]))
   for name, sp, n in (("sampled", sampled, 3), ("greedy", greedy, 1)):
     ro = sampler.generate(p, prompts, sp, n=n, kv_scales=ks)
     np.savez(os.path.join({tmp!r}, f"{{tag}}_{{name}}.npz"),
@@ -69,7 +71,7 @@ print("RESULT" + json.dumps(res))
 def test_data_parallel_rollouts_equal_one_device(tmp_path):
   """Sampled (3 samples per prompt, FP8 KV) and greedy (stop ids) rollouts of 5 prompts on 8 devices (fsdp 8: one
   slot per device; the last shares padded) and on 4 (data 2 x fsdp 2): tokens, log-probs, lengths and finish reasons
-  bitwise the one-device sampler's, each device holding only its share's pages. The switch (data_parallel=False) and
+  bitwise the one-device sampler's (and the FP8 KV scales' calibration), each device holding only its share's pages. The switch (data_parallel=False) and
   the tensor-parallel mesh take the one-program path: the same tokens, log-probs within 1e-5 (not bitwise there on
   CPU). Slots that the devices do not divide are refused, naming the key."""
   res = subprocess.run([sys.executable, "-c", SCRIPT.format(repo=REPO, tmp=str(tmp_path))], capture_output=True,
@@ -95,4 +97,9 @@ def test_data_parallel_rollouts_equal_one_device(tmp_path):
           np.testing.assert_allclose(got[field], ref[field], rtol=0, atol=1e-5, err_msg=f"{name} {tag}")
         else:
           assert np.array_equal(got[field], ref[field]), (name, tag, field)
+  ref = np.load(tmp_path / "one_scales.npz")
+  for tag in ("fsdp8", "data2_fsdp2", "fsdp8_spmd", "fsdp2_tensor2"):  # the KV scales' calibration prefill
+    got = np.load(tmp_path / f"{tag}_scales.npz")
+    for field in ("k", "v"):
+      np.testing.assert_allclose(got[field], ref[field], rtol=0 if tag in ("fsdp8", "data2_fsdp2") else 1e-6)
   assert "rollout.slots=12 must be a multiple of the 8 devices" in out["bad_slots"], out["bad_slots"]

@@ -8,7 +8,8 @@ variance dropped and further prompt batches drawn, at most ``grpo.max_refills``)
 
 The sampler's log-probs are the trainer's (one engine: fp8jax/__init__, tests/test_sampler.py), so they are the
 batch's old-policy log-probs. One mesh today: the refit's output keeps the master weights' shardings (XLA propagates
-them through the elementwise quantizer); a sampler mesh of its own would place the refit's output there.
+them through the elementwise quantizer), then takes the sampler's form (``Sampler.sampling_form``: with
+data-parallel rollouts gathered whole onto every device, once per step).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class RolloutWorker:
 
   def refit(self, params):
     """The sampler's weights from the learner's master weights (the requantization after every optimizer step)."""
-    return self.sampler.fuse_projections(sampler_lib.refit(params, recipe=self.recipe))
+    return self.sampler.sampling_form(sampler_lib.refit(params, recipe=self.recipe))
 
   def sampling_seed(self, step: int, attempt: int) -> int:
     """The sampling seed of RL step ``step``'s ``attempt``-th generate call (dynamic sampling's refills are further
