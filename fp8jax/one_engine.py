@@ -19,6 +19,7 @@ little against the real steps (``sampler_vs_trainer`` measures those).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ import numpy as np
 
 import fp8jax
 from fp8jax import kvcache as kvc
-from fp8jax import ops, quant, sampler
+from fp8jax import ops, quant, sampler, sharding
 from fp8jax.model import ModelConfig, gqa, head, init_params, llama, mla
 from fp8jax.rl import grpo, learner
 
@@ -63,14 +64,17 @@ def recipes(quantize_lm_head: bool = False) -> dict[str, quant.Recipe]:
 
 
 def sampler_vs_trainer(cfg: ModelConfig, recipe: quant.Recipe, prompts, *, slots: int, samples: int, max_new: int,
-                       seed: int = 0, bucket: int = 64) -> dict:
+                       seed: int = 0, bucket: int = 64, mesh=None) -> dict:
   """Generate ``samples`` completions per prompt, recompute their log-probs as the trainer does, compare.
-  ``bucket``: the prompt length bucket (prompts up to that many tokens)."""
+  ``bucket``: the prompt length bucket (prompts up to that many tokens). ``mesh``: the sampler's (its weights
+  placed by the sharding rules; data-parallel rollouts where it has no tensor axis); the trainer runs on one device."""
   master = init_params(cfg, seed=seed, std=0.05)
   lcfg = ops.LinearConfig.from_recipe(recipe)
   sc = sampler.SamplerConfig(slots=slots, max_len=bucket + max_new, prompt_buckets=(bucket,), kv_cache=recipe.kv_cache)
-  s = sampler.Sampler(cfg, sc, lcfg)
+  s = sampler.Sampler(cfg, sc, dataclasses.replace(lcfg, mesh=mesh))
   sp_params = sampler.prepare_params(master, recipe)
+  if mesh is not None:
+    sp_params = jax.device_put(sp_params, sharding.tree_shardings(sp_params, mesh))
   kv = s.calibrate_kv_scales(sp_params, prompts, 1.25) if recipe.kv_cache == "fp8" else None
   ro = s.generate(sp_params, prompts, sampler.SamplingParams(max_new_tokens=max_new, seed=1), n=samples, kv_scales=kv)
   seq, mask, gen_lp = ro.sequences()
@@ -80,6 +84,7 @@ def sampler_vs_trainer(cfg: ModelConfig, recipe: quant.Recipe, prompts, *, slots
   sel = mask > 0
   m["bitwise_equal_frac"] = float(np.mean(np.asarray(trainer_lp)[sel] == gen_lp[sel]))
   m["tokens"] = int(sel.sum())
+  m["rollout_devices"] = ro.stats["rollout_devices"]
   return m
 
 

@@ -7,7 +7,11 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
+import pytest
+
+from fp8jax import one_engine, ops, sharding
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,3 +107,18 @@ def test_data_parallel_rollouts_equal_one_device(tmp_path):
     for field in ("k", "v"):
       np.testing.assert_allclose(got[field], ref[field], rtol=0 if tag in ("fsdp8", "data2_fsdp2") else 1e-6)
   assert "rollout.slots=12 must be a multiple of the 8 devices" in out["bad_slots"], out["bad_slots"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (ops.hopper_available() and len(jax.devices()) >= 2), reason="needs >= 2 Hopper GPUs")
+@pytest.mark.parametrize("recipe", ["bf16", "fp8+kv"])
+def test_gpu_data_parallel_rollouts_are_the_trainers_on_real_gpus(recipe):
+  """Data-parallel rollouts over every local GPU (fsdp axis) with the Hopper kernels: sampler == trainer (on one GPU)
+  exactly, every log-prob bitwise, as on one GPU (test_one_engine's small workload, 16 prompts x 2 samples)."""
+  cfg = one_engine.model_config(1024, 2, 32768)
+  prompts = [np.random.default_rng(i).integers(0, 32768, size=8 + 3 * i).tolist() for i in range(16)]
+  mesh = sharding.make_mesh({"fsdp": -1})
+  m = one_engine.sampler_vs_trainer(cfg, one_engine.recipes()[recipe], prompts, slots=32, samples=2, max_new=32,
+                                    mesh=mesh)
+  assert m["rollout_devices"] == len(jax.devices()), m
+  assert m["token_mult_prob_error"] == 1.0 and m["bitwise_equal_frac"] == 1.0, m
