@@ -511,6 +511,7 @@ class Sampler:
              "prefill_tokens_per_s": int(lens.sum()) / max(t_prefill, 1e-9), "decode_steps": steps,
              "mean_occupancy": float(out["busy"].sum()) / max(steps * s.slots, 1),
              "occupancy_bound": gen_tokens / max(fcfs * s.slots, 1),
+             # one device's pool (with data-parallel rollouts each device holds its share's pages only)
              "kv_pages": lay.n_pages, "kv_cache_bytes": self._pool_bytes(lay), "rollout_devices": d}
     prompt_of_req = np.repeat(np.arange(n_prompts), n)
     return Rollout(prompt_idx=prompt_of_req, prompt_tokens=toks[prompt_of_req], prompt_lens=lens[prompt_of_req],
