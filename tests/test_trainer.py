@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -227,14 +228,22 @@ def test_huge_lr_keeps_the_forward_finite_and_the_policy_uncollapsed(tmp_path, p
   """optim.lr=1e6: weights reach ~1e6 after one step. That used to overflow rms_norm's mean(x^2) in FP32: a zero
   hidden state, uniform logits (entropy log V), loss 0 and grad_norm 0, and exit 0. With the norm rescaled and the
   attention's online softmax, the forward stays finite and the policy is not uniform; the checkpoint is finite.
-  (Collapse and non-finite updates, where they do happen, are stopped: the two tests around this one.)"""
+  (Collapse and non-finite updates, where they do happen, are stopped: the two tests around this one.) Weights of
+  ~1e6 may also saturate the policy: every sampled token at probability 1 in FP32, entropy 0 and a gradient of
+  exactly 0, which the collapse guard stops. Whether they do depends on the trajectory (seen once in a full CI run,
+  2026-12-05, not alone): then the stop's message must report that low entropy, not the uniform policy."""
   tr = trainer_lib.RLTrainer(small_config(**{"optim.lr": 1e6}), str(tmp_path))
   tr.step(0)
   tr.save(1)
   assert max(float(np.max(np.abs(x))) for x in jax.tree.leaves(tr.state.params)) > 1e5
-  m = tr.step(1)
-  assert all(math.isfinite(float(m[k])) for k in ("loss", "grad_norm", "entropy"))
-  assert float(m["entropy"]) < 0.9 * math.log(tr.cfg.vocab_size), m["entropy"]  # not the uniform policy
+  try:
+    m = tr.step(1)
+  except trainer_lib.PolicyCollapsed as e:  # saturated (deterministic), not uniform
+    entropy = float(re.search(r"\(entropy (\S+), log\(vocab\)", str(e)).group(1))
+    assert entropy < 0.9 * math.log(tr.cfg.vocab_size), str(e)
+  else:
+    assert all(math.isfinite(float(m[k])) for k in ("loss", "grad_norm", "entropy"))
+    assert float(m["entropy"]) < 0.9 * math.log(tr.cfg.vocab_size), m["entropy"]  # not the uniform policy
   restored, _ = tr.ckpt.restore(1, tr.state)
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(restored.params))
 
