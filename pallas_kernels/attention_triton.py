@@ -116,10 +116,13 @@ class TuningConfig:
 PREFIX_SEQS = 4
 
 
-def prefix_rows(config: TuningConfig, g: int) -> int:
+def prefix_rows(config: TuningConfig, g: int, natural_fp8: bool = False) -> int:
   """Rows of a shared-prefix tile for G query heads per KV head: ``config.prefix_block_q``, or PREFIX_SEQS
-  sequences' rows (a power of two from 16, the smallest dot tile, to 128)."""
-  return config.prefix_block_q or min(128, max(16, 1 << (PREFIX_SEQS * g - 1).bit_length()))
+  sequences' rows (a power of two from 16, the smallest dot tile, to 128). Over E4M3 codes in natural order
+  (``natural_fp8``) at least ``decode_block_q_natural_fp8`` rows, as the decode tile: a 16-row tile permutes the
+  8-bit operand in k and gives other bits (seen on the H200: the every-position test, 16 rows at G = 4)."""
+  rows = config.prefix_block_q or min(128, max(16, 1 << (PREFIX_SEQS * g - 1).bit_length()))
+  return max(rows, config.decode_block_q_natural_fp8) if natural_fp8 else rows
 
 
 def unsupported(q, k) -> str | None:
@@ -750,7 +753,7 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
     if shared_blocks_B.shape != (b,):
       raise ValueError(f"attention_heads: shared_blocks_B must be ({b},) for q {q_BxHxD.shape}, got "
                        f"{shared_blocks_B.shape}")
-    pq = prefix_rows(config, g)
+    pq = prefix_rows(config, g, natural_fp8=fp8 and not pair_ordered)
     if g > pq:
       raise ValueError(f"attention_heads: shared_blocks_B needs G = {g} query heads per key/value head <= "
                        f"prefix_block_q = {pq} (one tile holds whole sequences)")

@@ -388,6 +388,8 @@ def test_attend_sizes_the_prefix_tile_by_the_group(monkeypatch):
   ``attend`` the pass runs and gives the plain decode's rows bit for bit."""
   assert [kern.prefix_rows(kern.TuningConfig(), g) for g in (1, 4, 8, 32, 64)] == [16, 16, 32, 128, 128]
   assert kern.prefix_rows(kern.TuningConfig(prefix_block_q=64), 4) == 64
+  # over natural-order E4M3 codes never fewer rows than the decode tile (their bits depend on the tile)
+  assert [kern.prefix_rows(kern.TuningConfig(), g, natural_fp8=True) for g in (1, 4, 32)] == [64, 64, 128]
   q, k, v, table, pos, sb, _ = _prompt_groups(21, [(3, 2), (2, 1)], 1, 32, 1, 64, True)
   seen = []
 
