@@ -32,7 +32,8 @@ def get_config(arg=None):
       max_examples=0, tokenizer_dir="", reward_timeout_s=5.0))
   c.rollout = ml_collections.ConfigDict(dict(
       slots=512, max_len=4096, max_new_tokens=3584, temperature=1.0, top_p=1.0, top_k=0, decode_chunk=32,
-      kv_scale_margin=1.25, prompt_buckets=(128, 256, 512)))
+      kv_scale_margin=1.25, prompt_buckets=(128, 256, 512), max_refills_per_step=16, shared_prefix_attention=True,
+      fuse_projections=True, data_parallel=True, seed=0))
   c.grpo = ml_collections.ConfigDict(dict(
       num_prompts=64, num_generations=32, loss="grpo", normalize_std=True, leave_one_out=True, eps_low=0.2,
       eps_high=0.2, dual_clip=0.0, agg="token_mean", kl_beta=0.01, is_kind="none", is_lo=0.5, is_hi=2.0,

@@ -54,6 +54,9 @@ def get_config(arg=None):
       max_refills_per_step=16,  # free slots that take a pending request per decode step (inside the jitted loop)
       kv_scale_margin=1.25,  # FP8 KV scale = margin * amax / 448 (fp8jax.kvcache)
       prompt_buckets=(16,),
+      shared_prefix_attention=True,  # a prompt's KV pages read once per group of its samples (same bits)
+      fuse_projections=True,  # q/k/v and gate/up as one GEMM each in the sampler (same bits)
+      data_parallel=True,  # on a mesh without tensor parallelism each device generates its share of the prompts
       seed=0))  # varies the rollouts' sampling only (not the problems or the init): RL seeds from one warm start
 
   c.grpo = ml_collections.ConfigDict(dict(

@@ -325,6 +325,14 @@ class Sampler:
     return PageLayout(page=page, blocks=blocks, n_prompts=n_prompts, prompt_pages=-(-bucket // page),
                       slots=self.scfg.slots, own_pages=min(blocks, (max_new_tokens - 1) // page + 2))
 
+  def device_pool(self, n_prompts: int, bucket: int, max_new_tokens: int) -> tuple[PageLayout, int]:
+    """(page layout, KV pool bytes) of one device for a call of ``n_prompts`` prompts padded to ``bucket`` tokens:
+    the call's pool, or with data-parallel rollouts the pool of one device's share of the prompts."""
+    d = self.rollout_devices()
+    runner = self if d == 1 else self._local()
+    lay = runner.layout(-(-n_prompts // d), bucket, max_new_tokens)
+    return lay, runner._pool_bytes(lay)
+
   def _pool_bytes(self, lay: PageLayout) -> int:
     heads, head_dim, values = self.cfg.kv_cache_layout
     return kvc.cache_bytes(self.cfg.n_layers, lay.n_pages, lay.page, heads, head_dim, self.scfg.kv_cache == "fp8",
@@ -584,7 +592,7 @@ class Sampler:
     pad = per * d - n_prompts
     toks = np.concatenate([toks, np.zeros((pad, bucket), np.int32)])
     lens = np.concatenate([lens, np.ones(pad, np.int32)])
-    lay = local.layout(per, bucket, sp.max_new_tokens)
+    lay, _ = self.device_pool(n_prompts, bucket, sp.max_new_tokens)  # one device's: ``per`` prompts
     local._check_memory(lay)
     real = np.clip(n_prompts - per * np.arange(d), 0, per) * n  # each device's requests (the rest pad its share)
     rq = _requests(toks, lens, n, n_req=real, offset=per * n * np.arange(d))

@@ -55,7 +55,7 @@ from fp8jax.config_utils import dataclass_from_group
 from fp8jax.metrics import MetricsWriter, plot
 from fp8jax.model import llama
 from fp8jax.model.config import ModelConfig
-from fp8jax.rl import rollout
+from fp8jax.rl import memory, rollout
 from fp8jax.rl.learner import GRPOConfig, Learner, OptimConfig, TrainState, n_with_advantage
 from fp8jax.rl.source import make_source
 
@@ -122,6 +122,62 @@ def validate_config(c) -> None:
        f"so more new tokens than that could never be generated")
 
 
+def _model_config(config) -> ModelConfig:
+  """The architecture: from the HF checkpoint's config.json with checkpoint.hf_dir (config.model is ignored then),
+  else config.model."""
+  hf_dir = config.checkpoint.hf_dir
+  if not hf_dir:
+    return ModelConfig.from_config(config.model)
+  from fp8jax import hf  # noqa: PLC0415
+
+  if not os.path.isdir(hf_dir):
+    raise FileNotFoundError(f"checkpoint.hf_dir={hf_dir!r} is not a directory: download the HF model (config.json, "
+                            f"*.safetensors, tokenizer files) and point --config.checkpoint.hf_dir at it")
+  cfg = hf.load_config(hf_dir, dtype=config.model.dtype, max_seq_len=config.rollout.max_len)
+  return dataclasses.replace(cfg, remat=bool(config.model.remat), attn_backend=config.model.attn_backend,
+                             norm_backend=config.model.get("norm_backend", "auto"))
+
+
+def _sampler_config(config, sample_recipe: quant.Recipe) -> sampler_lib.SamplerConfig:
+  r, defaults = config.rollout, sampler_lib.SamplerConfig
+  return sampler_lib.SamplerConfig(
+      slots=r.slots, max_len=r.max_len, prompt_buckets=tuple(r.prompt_buckets), kv_cache=sample_recipe.kv_cache,
+      decode_chunk=r.decode_chunk, max_refills_per_step=r.get("max_refills_per_step", defaults.max_refills_per_step),
+      shared_prefix_attention=r.get("shared_prefix_attention", defaults.shared_prefix_attention),
+      fuse_projections=r.get("fuse_projections", defaults.fuse_projections),
+      data_parallel=r.get("data_parallel", defaults.data_parallel))
+
+
+def _learner(config, cfg: ModelConfig, lcfg, train_recipe: quant.Recipe, mesh, *, kv_state: bool) -> Learner:
+  ws = config.warmstart
+  return Learner(cfg=cfg, lcfg=lcfg, recipe=train_recipe, gc=dataclass_from_group(GRPOConfig, config.grpo, "grpo"),
+                 oc=dataclass_from_group(OptimConfig, config.optim, "optim"), mesh=mesh,
+                 total_steps=int(config.train.steps), temperature=config.rollout.temperature, kv_state=kv_state,
+                 kv_margin=float(config.rollout.kv_scale_margin),
+                 warmstart=(int(ws.steps), int(ws.batch), float(ws.lr)))
+
+
+def _memory_plan(config, learner: Learner, sampler, sample_recipe: quant.Recipe) -> memory.MemoryPlan:
+  r, gc = config.rollout, learner.gc
+  return memory.plan(learner, sampler, sample_recipe, prompts=gc.num_prompts, samples=gc.num_generations,
+                     prompt_len=min(max(r.prompt_buckets), r.max_len), max_new_tokens=r.max_new_tokens,
+                     microbatch=gc.microbatch)
+
+
+def memory_plan(config, devices=None) -> memory.MemoryPlan:
+  """A run's per-device memory plan from its config alone: no weights made, no task or data read
+  (``fp8jax.rl.memory``; ``scripts/plan_memory.py`` prints it)."""
+  validate_config(config)
+  cfg = _model_config(config)
+  recipe = quant.Recipe.from_config(config.fp8)
+  sample_recipe = recipe.sampler_side()
+  mesh = sharding.make_mesh(config.mesh, devices)
+  lcfg = ops.LinearConfig.from_recipe(recipe, mesh=mesh)
+  sampler = sampler_lib.Sampler(cfg, _sampler_config(config, sample_recipe), lcfg)
+  learner = _learner(config, cfg, lcfg, recipe.trainer_side(), mesh, kv_state=sample_recipe.kv_cache == "fp8")
+  return _memory_plan(config, learner, sampler, sample_recipe)
+
+
 @dataclasses.dataclass
 class Launched:
   """An RL step whose device work is dispatched and whose metrics are still on the device."""
@@ -143,33 +199,12 @@ class RLTrainer:
     validate_config(config)
     self.workdir = workdir or config.workdir
     hf_dir = config.checkpoint.hf_dir
-    if hf_dir:  # the architecture comes from the checkpoint (config.model is ignored then)
-      from fp8jax import hf  # noqa: PLC0415
-
-      if not os.path.isdir(hf_dir):
-        raise FileNotFoundError(f"checkpoint.hf_dir={hf_dir!r} is not a directory: download the HF model (config.json, "
-                                f"*.safetensors, tokenizer files) and point --config.checkpoint.hf_dir at it")
-      self.cfg = hf.load_config(hf_dir, dtype=config.model.dtype, max_seq_len=config.rollout.max_len)
-      self.cfg = dataclasses.replace(self.cfg, remat=bool(config.model.remat), attn_backend=config.model.attn_backend,
-                                     norm_backend=config.model.get("norm_backend", "auto"))
-    else:
-      self.cfg = ModelConfig.from_config(config.model)
+    self.cfg = _model_config(config)
     self.recipe = quant.Recipe.from_config(config.fp8)
     # The recipe each engine runs: the same one for "fp8" and "bf16" (one engine); for "fp8_rollout" FP8 weights
     # (and the FP8 KV cache if set) in the sampler and BF16 in the trainer (quant.Recipe).
     sample_recipe, train_recipe = self.recipe.sampler_side(), self.recipe.trainer_side()
-    gc = dataclass_from_group(GRPOConfig, config.grpo, "grpo")
-    oc = dataclass_from_group(OptimConfig, config.optim, "optim")
     r = config.rollout
-    scfg = sampler_lib.SamplerConfig(slots=r.slots, max_len=r.max_len, prompt_buckets=tuple(r.prompt_buckets),
-                                     kv_cache=sample_recipe.kv_cache, decode_chunk=r.decode_chunk,
-                                     max_refills_per_step=r.get("max_refills_per_step",
-                                                                sampler_lib.SamplerConfig.max_refills_per_step),
-                                     shared_prefix_attention=r.get("shared_prefix_attention",
-                                                                   sampler_lib.SamplerConfig.shared_prefix_attention),
-                                     fuse_projections=r.get("fuse_projections",
-                                                            sampler_lib.SamplerConfig.fuse_projections),
-                                     data_parallel=r.get("data_parallel", sampler_lib.SamplerConfig.data_parallel))
     self.task = make_source(config, self.cfg.vocab_size)
     sp = sampler_lib.SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                     max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(self.task.eos_ids))
@@ -179,13 +214,15 @@ class RLTrainer:
     lcfg = ops.LinearConfig.from_recipe(self.recipe, mesh=self.mesh)  # scale format, backend: both engines
     # rollout.seed varies the rollouts' sampling only (the task's problems, validation set and model init come from
     # seed), so several RL seeds can start from one warm start (scripts/parity.py); 0 is the historical stream.
-    self.worker = rollout.RolloutWorker(sampler_lib.Sampler(self.cfg, scfg, lcfg), sample_recipe, sp,
-                                        seed=int(config.seed), rollout_seed=int(r.get("seed", 0)))
+    self.worker = rollout.RolloutWorker(sampler_lib.Sampler(self.cfg, _sampler_config(config, sample_recipe), lcfg),
+                                        sample_recipe, sp, seed=int(config.seed), rollout_seed=int(r.get("seed", 0)))
     self.total_steps = int(config.train.steps)
-    ws = config.warmstart
-    self.learner = Learner(cfg=self.cfg, lcfg=lcfg, recipe=train_recipe, gc=gc, oc=oc, mesh=self.mesh,
-                           total_steps=self.total_steps, temperature=sp.temperature, kv_state=self.worker.fp8_kv,
-                           kv_margin=float(r.kv_scale_margin), warmstart=(int(ws.steps), int(ws.batch), float(ws.lr)))
+    self.learner = _learner(config, self.cfg, lcfg, train_recipe, self.mesh, kv_state=self.worker.fp8_kv)
+    # Before any weights exist: the buffers the run will hold per device against the device's memory (a clear
+    # error naming the mesh / rollout keys instead of an allocator failure minutes in).
+    self.memory_plan = _memory_plan(config, self.learner, self.worker.sampler, sample_recipe)
+    memory.check(self.memory_plan, memory.device_limit())
+    self._early_refit = None  # ``_run``'s refit of the next step, dispatched before the previous step's fetch
     # Where the params came from: "init" (seeded; the warm start runs from it), "warm start", "pretrained" (an HF
     # checkpoint or load_pretrained) or "checkpoint" (a resumed run). Not run state: a resume never warm-starts.
     self.params_origin = "pretrained" if hf_dir else "init"
@@ -264,14 +301,16 @@ class RLTrainer:
 
   # -- one RL step --------------------------------------------------------------------------------------------------
 
-  def launch(self, step: int, sparams=None, t_refit: float | None = None) -> Launched:
+  def launch(self, step: int) -> Launched:
     """RL step ``step`` (0-based) up to its dispatched optimizer steps: refit, rollout, rewards, batch, the
-    learner's passes. Its metrics stay on the device (``finish`` fetches them). ``sparams``: the refit of the
-    current params if already dispatched (``run`` does so before fetching the previous step's metrics), dispatched
-    at ``t_refit``."""
+    learner's passes. Its metrics stay on the device (``finish`` fetches them). The refit is ``run``'s if it
+    dispatched it already (before fetching the previous step's metrics), else made here; either way this is its
+    only holder, and it is dropped once the rollouts are collected: the sampler's weights (whole on every device
+    with data-parallel rollouts) are not held through the optimizer steps (``fp8jax.rl.memory``'s phases)."""
     t_start = time.perf_counter()
     self.start_rl()
     gc, state = self.gc, self.state
+    (sparams, t_refit), self._early_refit = self._early_refit or (None, None), None
     if sparams is None:
       t_refit, sparams = time.perf_counter(), self.worker.refit(state.params)
     jax.block_until_ready(sparams)
@@ -279,6 +318,7 @@ class RLTrainer:
     # Both are outputs of the previous step's program, which the refit waited for: reading them costs no wait.
     opt_step, prompt_batch = (int(x) for x in jax.device_get((state.step, state.prompt_batch)))
     col = self.worker.collect(sparams, self.task, gc, step=step, prompt_batch=prompt_batch, kv_scales=state.kv_scales)
+    del sparams
     state = dataclasses.replace(state, prompt_batch=self.learner.replicated(
         np.asarray(prompt_batch + col.batches_drawn, np.int32)))
     batch, info = rollout.train_batch(col.parts, col.rewards, gc, self.task.pad_id)
@@ -478,14 +518,13 @@ class RLTrainer:
         history.append(writer.write(0, {**ws, **self.validate(), "ckpt_s": 0.0}))
       pending = None  # a launched step whose metrics are not fetched yet
       for step in range(start, steps):
-        sparams, t_refit = None, None
         if pending is not None:
           # One step late: this step's refit is dispatched first and runs while the previous step's metrics (ready:
           # the refit reads the parameters that step produced) are fetched, checked and written.
-          sparams = self.worker.refit(self.state.params)
+          self._early_refit = (self.worker.refit(self.state.params), None)
           history.append(self._row(writer, pending, self.finish(pending), steps))
-          t_refit, pending = time.perf_counter(), None
-        launched = self.launch(step, sparams, t_refit)
+          self._early_refit, pending = (self._early_refit[0], time.perf_counter()), None
+        launched = self.launch(step)
         if self._due(step, steps):
           history.append(self._row(writer, launched, self.finish(launched), steps))
         else:

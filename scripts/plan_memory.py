@@ -1,0 +1,79 @@
+"""A run's memory per device, from its config alone: ``python scripts/plan_memory.py --config=configs/llama8b_fp8.py
+--devices=8 [--device_gib=139] [--config.x=y] [--json=PATH]``.
+
+No weights are made and no task or data is read (``fp8jax.rl.trainer.memory_plan``; rows and their exactness:
+``fp8jax/rl/memory.py``). ``--devices=N`` plans for a mesh of N GPUs on this machine's CPU (N fake host devices, so no GPU is needed, and
+the GPU kernels' 128-position KV pages; the mesh comes from the config's ``mesh`` group as in a run); without it,
+for the local devices.
+The plan is checked as ``RLTrainer`` checks it before making weights, against ``--device_gib`` (e.g. 139 for an H200's
+usable memory) or the local device's own limit: the exit status is 1 and the message names the keys to change when
+the run would not fit.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo (configs/, fp8jax/)
+
+
+def _fake_devices(argv) -> int | None:
+  """--devices=N from the command line, read before jax is imported (XLA reads its flags then)."""
+  for i, a in enumerate(argv):
+    if a.startswith("--devices="):
+      return int(a.split("=", 1)[1])
+    if a == "--devices" and i + 1 < len(argv):
+      return int(argv[i + 1])
+  return None
+
+
+_N = _fake_devices(sys.argv)
+if _N:
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_N}".strip()
+
+import json  # noqa: E402
+
+import fp8jax  # noqa: E402,F401  (before jax: XLA flags)
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
+flags.DEFINE_integer("devices", None, "Plan for N fake CPU devices (default: this machine's devices).")
+_GIB = flags.DEFINE_float("device_gib", None, "Memory per device to check against, GiB (default: the local "
+                          "device's limit; none on CPU).")
+_JSON = flags.DEFINE_string("json", None, "Also write the plan as JSON here.")
+
+
+def main(argv):
+  del argv
+  if _CONFIG.value is None:
+    raise app.UsageError("--config is required, e.g. --config=configs/llama8b_fp8.py")
+  from fp8jax.rl import memory  # noqa: PLC0415
+  from fp8jax.rl.trainer import memory_plan  # noqa: PLC0415
+
+  if _N:  # planning GPUs on the CPU: the GPU kernels' KV pages (128 positions; the CPU reference's are 16)
+    from fp8jax import kvcache  # noqa: PLC0415
+    from pallas_kernels.attention import BLOCK_KV  # noqa: PLC0415
+
+    kvcache.key_block = lambda: BLOCK_KV
+  plan = memory_plan(_CONFIG.value)
+  limit = int(_GIB.value * memory.GIB) if _GIB.value else (None if _N else memory.device_limit())
+  print(plan.table())
+  verdict = "no limit to check against (CPU: pass --device_gib)" if limit is None else None
+  try:
+    memory.check(plan, limit)
+  except ValueError as e:
+    verdict = f"does not fit: {e}"
+  exact = plan.peak(exact_only=True) / memory.GIB
+  verdict = verdict or (f"fits {limit / memory.GIB:.1f} GiB per device (exact part {exact:.1f} GiB; activations "
+                        f"beyond the remat checkpoints not counted)")
+  print(verdict)
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(dict(plan.to_json(), limit=limit, verdict=verdict), f, indent=1)
+  return 1 if verdict.startswith("does not fit") else 0
+
+
+if __name__ == "__main__":
+  app.run(main)
