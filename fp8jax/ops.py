@@ -184,6 +184,18 @@ def choose_backend(requested: str, *, what: str, config_key: str, probe, prefix:
   return chosen
 
 
+NO_GPU_REASONS = ("no CUDA GPU", "no sm_90 GPU")  # 'auto' on a machine without the kernels' GPU: not a fallback
+
+
+def kernel_fallbacks() -> int:
+  """How many distinct reasons sent an 'auto' backend to the plain-jnp reference on a machine that has the GPU its
+  kernels need (operands they do not take, kernels that would not import): 0 when every op ran its kernel, or when
+  there is no such GPU. The trainer's metrics carry it (``kernel_fallbacks``), so a change of numerics is visible
+  there as well as in the log and ``backend_report``."""
+  return sum(why not in NO_GPU_REASONS for key, whys in _REPORT.items() if key.endswith("auto->xla")
+             for why in whys.split("; "))
+
+
 def backend_report() -> dict[str, str]:
   """Which GEMM and attention backends were resolved in this process, and why (for metrics and logs).
 

@@ -246,6 +246,19 @@ def test_backend_choice_is_visible_and_pallas_refuses_without_gpu():
     ops.resolve_backend("pallas")
 
 
+def test_kernel_fallbacks_count_reasons_where_a_gpu_was_there(monkeypatch):
+  """A reference fallback on a machine with the kernels' GPU (an operand they do not take) counts; 'auto' choosing the
+  reference for want of a GPU, a requested 'xla' and the kernels themselves do not; a reason counts once."""
+  monkeypatch.setattr(ops, "_REPORT", {})
+  probes = [(False, "no CUDA GPU"), (True, "CUDA GPU"), (False, "fallback to the reference: head_dim 96"),
+            (False, "fallback to the reference: head_dim 96"), (False, "pallas kernels unavailable (ImportError)")]
+  for ok, why in probes:
+    ops.choose_backend("auto", what="attention", config_key="model.attn_backend", probe=lambda: (ok, why),
+                       prefix="attention:")
+  ops.choose_backend("xla", what="attention", config_key="model.attn_backend", probe=None, prefix="attention:")
+  assert ops.kernel_fallbacks() == 2, ops.backend_report()
+
+
 def test_shape_errors_name_shapes():
   with pytest.raises(ValueError, match=r"K=256 .*\(128, 128\)"):
     ops.linear(jnp.ones((2, 256)), jnp.ones((128, 128)))

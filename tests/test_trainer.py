@@ -110,6 +110,7 @@ def test_full_rl_step_and_one_engine_mismatch(tmp_path, monkeypatch, parity_rewa
               "loss", "grad_norm", "clip_frac_low", "clip_frac_high", "entropy", "lr", "gen_len_mean",
               "gen_tokens_per_s", "rollout_s", "reward_s", "train_s", "requant_s", "step_s"):
     assert key in m, key
+  assert m["kernel_fallbacks"] == 0  # on the CPU every op runs its reference by design, which is no fallback
   # One engine: the sampler's log-probs are the trainer's (FP8 weights, FP8 KV cache) up to FP32 reduction order.
   assert float(m["token_mult_prob_error"]) <= 1 + 1e-5
   assert seen == {"sampler": {"QWeight"}, "trainer": {"FP8Weight"}, "trainer_kv": {True}}, seen

@@ -337,6 +337,7 @@ class RLTrainer:
     host["mean_occupancy"] = col.stats.get("mean_occupancy", 0.0) / max(len(col.parts), 1)
     host["occupancy_bound"] = col.stats.get("occupancy_bound", 0.0) / max(len(col.parts), 1)  # what lengths allow
     host["rollout_devices"] = self.worker.sampler.rollout_devices()  # devices generating their own share
+    host["kernel_fallbacks"] = ops.kernel_fallbacks()  # ops that ran the reference where a kernel was expected
     return Launched(step, host, dev, minibatches, lrs, n_adv, t_start, t_dispatch)
 
   def finish(self, launched: Launched) -> dict:
