@@ -47,6 +47,10 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   try:
     trainer = RLTrainer(config, _WORKDIR.value)
+    if distributed.is_primary():
+      plan = trainer.memory_plan
+      print(f"memory per device (plan, scripts/plan_memory.py): rollout {plan.phase('rollout') / 2**30:.2f} GiB, "
+            f"train step {plan.phase('train') / 2**30:.2f} GiB before XLA's temporaries")
     history = trainer.run(_STEPS.value)
   except (TrainingDiverged, WorkdirLocked, RunDirInUse, CheckpointMismatch, CheckpointCorrupt,
           CheckpointUnreadable) as e:
