@@ -4,7 +4,9 @@ Run (on Hopper GPUs, after downloading the model and the prompts):
   python scripts/train.py --config=configs/llama8b_fp8.py \
       --config.checkpoint.hf_dir=/models/Llama-3.1-8B-Instruct --config.data.path=/data/openmathinstruct2.jsonl
 Hardware: 8x H100/H200 for the full recipe (64 prompts x 32 generations, 4096 tokens); the mesh shards params and
-optimizer state over fsdp. Without hf_dir / data.path the run stops at once and says what to download.
+optimizer state over fsdp, and each GPU generates its share of the rollouts. Memory per GPU, planned from shapes
+(`python scripts/plan_memory.py --config=configs/llama8b_fp8.py --devices=8 --device_gib=139`): 35.5 GiB before XLA's
+temporaries; one GPU cannot hold it (the constructor refuses, naming mesh.fsdp). Without hf_dir / data.path the run stops at once and says what to download.
 Expected: validation accuracy at the BF16 recipe's level (NeMo RL: 0.613 FP8 vs 0.616 BF16 on their setup); this
 repository has not yet run the full recipe (see docs/benchmarks.md for what was measured).
 """
