@@ -40,7 +40,7 @@ def test_the_8b_recipe_on_8_gpus_is_planned_from_its_parameter_count():
   master = 4 * (matrices // 8 + norms)  # every matrix splits 8 ways over fsdp, the norms are replicated
   assert p["state"]["master params (FP32)"] == master
   assert 0 <= p["state"]["optimizer state"] - 2 * master < 64  # Adam's two moments (+ step counters)
-  assert p["train"]["gradients (accumulator + a microbatch's)"] == 2 * master
+  assert p["train"]["gradients (FP32 accumulator)"] == master
   # the sampler's weights, whole: E4M3 codes of every linear + FP32 scales per 128 x 128 tile, BF16 embed / head
   linears = matrices - 2 * V * D
   tiles = L * ((H * hd // 128) * (D // 128) * 2 + 2 * (K * hd // 128) * (D // 128) + 3 * (F // 128) * (D // 128))

@@ -6,13 +6,13 @@ moments, the frozen KL reference), which every device holds its shard of for the
 * **rollout**: the sampler's weights (the refit's form: FP8 codes + scales, BF16 head; whole on every device with
   data-parallel rollouts, else sharded as the master params) and the paged KV pool of one ``generate`` call of the
   step's prompts (one device's pool: ``Sampler.device_pool``);
-* **train**: the gradients (the accumulator and one microbatch's, FP32, sharded as the params) and the remat
+* **train**: the gradients (the FP32 accumulator over the microbatches, sharded as the params) and the remat
   checkpoints of one microbatch (each layer's BF16 input).
 
 The state, the sampler's weights, the KV pool and the gradients are exact sizes of the buffers the run makes. The
 activations are not: the remat checkpoints are the least a microbatch keeps, and XLA's temporaries (one layer's
-recomputation, the head's vocabulary chunk, the optimizer update) come on top. So ``check`` refuses a run only on
-the exact part, and the plan's table says which rows are estimates.
+recomputation, a microbatch's gradients before they are added, the head's vocabulary chunk, the optimizer update)
+come on top. So ``check`` refuses a run only on the exact part, and the plan's table says which rows are estimates.
 
 ``RLTrainer`` checks its plan against the device's memory before it makes any weights; ``scripts/plan_memory.py``
 prints the plan of a config for any number of devices (fake CPU devices: no GPU needed).
@@ -103,7 +103,7 @@ def plan(learner, sampler, sample_recipe, *, prompts: int, samples: int, prompt_
   seq = prompt_len + max_new_tokens
   cfg = learner.cfg
   ckpt = cfg.n_layers * rows_per_device * seq * cfg.dim * np.dtype(cfg.dtype).itemsize
-  train = {"gradients (accumulator + a microbatch's)": 2 * rows["master params (FP32)"],
+  train = {"gradients (FP32 accumulator)": rows["master params (FP32)"],
            "remat checkpoints (a microbatch)": ckpt}
   return MemoryPlan(mesh={a: int(s) for a, s in learner.mesh.shape.items()}, state=rows, rollout=rollout,
                     train=train, estimates=("remat checkpoints (a microbatch)",), kv_cache=sampler.scfg.kv_cache)
