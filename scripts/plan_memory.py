@@ -8,6 +8,12 @@ for the local devices.
 The plan is checked as ``RLTrainer`` checks it before making weights, against ``--device_gib`` (e.g. 139 for an H200's
 usable memory) or the local device's own limit: the exit status is 1 and the message names the keys to change when
 the run would not fit.
+
+``--measure_steps=N`` (on a GPU) then runs the config's first N RL steps on the local device and prints, beside the
+plan, what the allocator saw: the bytes held once the state is made (before the first step), the peak through
+the first rollout (read when its tokens reach the host) and the peak through the whole step; the difference from the
+plan's phases is what XLA's temporaries and the compiled programs add. Random weights need a task that needs no
+download, e.g. ``--config.task=arithmetic``; ``--config.model.n_layers`` makes the check fit one GPU.
 """
 
 import os
@@ -43,6 +49,54 @@ flags.DEFINE_integer("devices", None, "Plan for N fake CPU devices (default: thi
 _GIB = flags.DEFINE_float("device_gib", None, "Memory per device to check against, GiB (default: the local "
                           "device's limit; none on CPU).")
 _JSON = flags.DEFINE_string("json", None, "Also write the plan as JSON here.")
+_MEASURE = flags.DEFINE_integer("measure_steps", 0, "Then run this many RL steps on the local device and print the "
+                                "allocator's figures beside the plan (a GPU; see the module docstring).")
+
+
+def measure(config, steps: int) -> dict:
+  """Runs ``steps`` RL steps of ``config`` on the local devices; the allocator's bytes in use once the state exists
+  and its peaks through the first rollout and through each step (GiB)."""
+  import tempfile  # noqa: PLC0415
+  import time  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+
+  from fp8jax.rl import memory  # noqa: PLC0415
+  from fp8jax.rl.trainer import RLTrainer  # noqa: PLC0415
+
+  dev = jax.local_devices()[0]
+
+  def stats(key):
+    s = dev.memory_stats() or {}
+    if key not in s:
+      raise SystemExit(f"--measure_steps: device {dev} reports no memory_stats()[{key!r}] (run it on a GPU)")
+    return s[key] / memory.GIB
+
+  stats("bytes_in_use")  # before any weights: a device without memory stats stops here
+  with tempfile.TemporaryDirectory() as workdir:
+    trainer = RLTrainer(config, workdir)
+    trainer.start_rl()
+    jax.block_until_ready(trainer.state)
+    out = {"state_in_use": stats("bytes_in_use"), "steps": []}
+    collect = trainer.worker.collect
+    seen = {}
+
+    def collect_and_read(*a, **k):  # the rollout's tokens are on the host when collect returns
+      col = collect(*a, **k)
+      seen.setdefault("rollout_peak", stats("peak_bytes_in_use"))
+      return col
+
+    trainer.worker.collect = collect_and_read
+    for i in range(steps):
+      t = time.perf_counter()
+      m = trainer.step(i)
+      out["steps"].append({"step": i + 1, "peak": stats("peak_bytes_in_use"), "in_use": stats("bytes_in_use"),
+                           "wall_s": time.perf_counter() - t, "rollout_s": m.get("rollout_s"),
+                           "train_s": m.get("train_s"), "gen_tokens": m.get("gen_tokens_per_s", 0) * m.get("rollout_s", 0),
+                           "token_mult_prob_error": m.get("token_mult_prob_error")})
+    out["rollout_peak"] = seen["rollout_peak"]
+    out["limit"] = stats("bytes_limit")
+  return out
 
 
 def main(argv):
@@ -69,9 +123,26 @@ def main(argv):
   verdict = verdict or (f"fits {limit / memory.GIB:.1f} GiB per device (exact part {exact:.1f} GiB; activations "
                         f"beyond the remat checkpoints not counted)")
   print(verdict)
+  result = dict(plan.to_json(), limit=limit, verdict=verdict)
+  if _MEASURE.value and not verdict.startswith("does not fit"):
+    if _N:
+      raise app.UsageError("--measure_steps runs on the local devices: leave out --devices")
+    got = measure(_CONFIG.value, _MEASURE.value)
+    result["measured"] = got
+    g = memory.GIB
+    rows = [("state, before the first step", sum(plan.state.values()) / g, got["state_in_use"]),
+            ("peak through the first rollout", plan.phase("rollout") / g, got["rollout_peak"]),
+            ("peak through step 1 (rollout + train)", plan.peak() / g, got["steps"][0]["peak"])]
+    print(f"\nplanned vs measured, GiB (allocator limit {got['limit']:.1f} GiB):")
+    print(f"  {'':40s} {'planned':>9s} {'measured':>9s} {'measured - planned':>19s}")
+    for name, planned, measured in rows:
+      print(f"  {name:40s} {planned:9.2f} {measured:9.2f} {measured - planned:19.2f}")
+    for s in got["steps"]:
+      print(f"  step {s['step']}: peak {s['peak']:.2f} GiB, {s['wall_s']:.1f} s (rollout {s['rollout_s']:.1f} s, "
+            f"train {s['train_s']:.1f} s), token_mult_prob_error {s['token_mult_prob_error']}")
   if _JSON.value:
     with open(_JSON.value, "w") as f:
-      json.dump(dict(plan.to_json(), limit=limit, verdict=verdict), f, indent=1)
+      json.dump(result, f, indent=1)
   return 1 if verdict.startswith("does not fit") else 0
 
 
