@@ -8,7 +8,7 @@ of the embedded arithmetic task, 64-token sequences, 16 new tokens, microbatch 3
 steps through ``RLTrainer.step`` (refit/requantization, rollout, rewards, batch, the learner's passes and update; no
 validation or checkpoint). Step 1 compiles; the table reports the median of the later steps (step, rollout, train,
 requantization seconds), generated tokens/s, token_mult_prob_error (sampler vs trainer) and the process's peak
-device memory so far (the first config's is its own; a later one's includes the earlier), then each recipe's step
+memory so far on its busiest device (the first config's is its own; a later one's includes the earlier), then each recipe's step
 time divided by the first config's (> 1: slower than the first). Rewards are 0 (random weights): this measures the machinery,
 not learning.
 
@@ -40,8 +40,10 @@ KEYS = ("step_s", "rollout_s", "train_s", "requant_s", "gen_tokens_per_s", "toke
 
 
 def peak_gib() -> float | None:
-  stats = jax.devices()[0].memory_stats() or {}
-  return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
+  """The largest peak of this process's devices (GiB; None where the backend keeps no memory stats: CPU)."""
+  peaks = [s["peak_bytes_in_use"] for s in (d.memory_stats() or {} for d in jax.local_devices())
+           if "peak_bytes_in_use" in s]
+  return max(peaks) / 2**30 if peaks else None
 
 
 def apply_sets(c, sets: list[str]):
@@ -92,7 +94,7 @@ def main():
   results = [run_config(p, a) for p in a.configs.split(",")]
   base = results[0]["median"]["step_s"]
   print("\n| config | mode | KV | step s | rollout s | train s | requant s | gen tok/s | token_mult_prob_error "
-        "| peak GiB so far | step s / first's |")
+        "| peak GiB per device so far | step s / first's |")
   print("|---|---|---|---|---|---|---|---|---|---|---|")
   for r in results:
     m = r["median"]
@@ -102,7 +104,8 @@ def main():
   if a.out:
     dev = jax.devices()[0]
     with open(a.out, "w") as f:
-      json.dump({"device": getattr(dev, "device_kind", dev.platform), "jax": jax.__version__, "args": vars(a),
+      json.dump({"device": getattr(dev, "device_kind", dev.platform), "devices": jax.local_device_count(),
+                 "jax": jax.__version__, "args": vars(a),
                  "xla_flags": os.environ.get("XLA_FLAGS", ""), "results": results}, f, indent=1)
 
 
