@@ -53,52 +53,6 @@ _MEASURE = flags.DEFINE_integer("measure_steps", 0, "Then run this many RL steps
                                 "allocator's figures beside the plan (a GPU; see the module docstring).")
 
 
-def measure(config, steps: int) -> dict:
-  """Runs ``steps`` RL steps of ``config`` on the local devices; the allocator's bytes in use once the state exists
-  and its peaks through the first rollout and through each step (GiB)."""
-  import tempfile  # noqa: PLC0415
-  import time  # noqa: PLC0415
-
-  import jax  # noqa: PLC0415
-
-  from fp8jax.rl import memory  # noqa: PLC0415
-  from fp8jax.rl.trainer import RLTrainer  # noqa: PLC0415
-
-  dev = jax.local_devices()[0]
-
-  def stats(key):
-    s = dev.memory_stats() or {}
-    if key not in s:
-      raise SystemExit(f"--measure_steps: device {dev} reports no memory_stats()[{key!r}] (run it on a GPU)")
-    return s[key] / memory.GIB
-
-  stats("bytes_in_use")  # before any weights: a device without memory stats stops here
-  with tempfile.TemporaryDirectory() as workdir:
-    trainer = RLTrainer(config, workdir)
-    trainer.start_rl()
-    jax.block_until_ready(trainer.state)
-    out = {"state_in_use": stats("bytes_in_use"), "steps": []}
-    collect = trainer.worker.collect
-    seen = {}
-
-    def collect_and_read(*a, **k):  # the rollout's tokens are on the host when collect returns
-      col = collect(*a, **k)
-      seen.setdefault("rollout_peak", stats("peak_bytes_in_use"))
-      return col
-
-    trainer.worker.collect = collect_and_read
-    for i in range(steps):
-      t = time.perf_counter()
-      m = trainer.step(i)
-      out["steps"].append({"step": i + 1, "peak": stats("peak_bytes_in_use"), "in_use": stats("bytes_in_use"),
-                           "wall_s": time.perf_counter() - t, "rollout_s": m.get("rollout_s"),
-                           "train_s": m.get("train_s"), "gen_tokens": m.get("gen_tokens_per_s", 0) * m.get("rollout_s", 0),
-                           "token_mult_prob_error": m.get("token_mult_prob_error")})
-    out["rollout_peak"] = seen["rollout_peak"]
-    out["limit"] = stats("bytes_limit")
-  return out
-
-
 def main(argv):
   del argv
   if _CONFIG.value is None:
@@ -127,7 +81,16 @@ def main(argv):
   if _MEASURE.value and not verdict.startswith("does not fit"):
     if _N:
       raise app.UsageError("--measure_steps runs on the local devices: leave out --devices")
-    got = measure(_CONFIG.value, _MEASURE.value)
+    import tempfile  # noqa: PLC0415
+
+    from fp8jax.rl.trainer import RLTrainer  # noqa: PLC0415
+
+    try:  # before any weights: a device without allocator statistics stops here
+      read = memory.allocator_stats()
+    except ValueError as e:
+      raise app.UsageError(f"--measure_steps: {e}") from e
+    with tempfile.TemporaryDirectory() as workdir:
+      got = memory.measure(RLTrainer(_CONFIG.value, workdir), _MEASURE.value, read)
     result["measured"] = got
     g = memory.GIB
     rows = [("state, before the first step", sum(plan.state.values()) / g, got["state_in_use"]),
@@ -138,7 +101,7 @@ def main(argv):
     for name, planned, measured in rows:
       print(f"  {name:40s} {planned:9.2f} {measured:9.2f} {measured - planned:19.2f}")
     for s in got["steps"]:
-      print(f"  step {s['step']}: peak {s['peak']:.2f} GiB, {s['wall_s']:.1f} s (rollout {s['rollout_s']:.1f} s, "
+      print(f"  step {s['step']}: peak {s['peak']:.2f} GiB, {s['step_s']:.1f} s (rollout {s['rollout_s']:.1f} s, "
             f"train {s['train_s']:.1f} s), token_mult_prob_error {s['token_mult_prob_error']}")
   if _JSON.value:
     with open(_JSON.value, "w") as f:

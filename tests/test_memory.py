@@ -93,3 +93,28 @@ def test_tree_bytes_counts_each_devices_shard():
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("fsdp",))
   x = jax.ShapeDtypeStruct((256, 8), np.float32, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   assert memory.tree_bytes({"a": x, "b": jax.ShapeDtypeStruct((3,), np.int8)}) == 256 * 8 * 4 + 3
+
+
+def test_measure_reads_the_state_and_each_step(tmp_path):
+  """``memory.measure`` (``plan_memory.py --measure_steps``) on the CPU, the live arrays' bytes standing in for the
+  GPU allocator: the state it reads holds at least the plan's state rows, the peaks grow through the first rollout
+  and the steps, each step is a real RL step (sampler == trainer exactly on the CPU), and the worker is left as it
+  was."""
+  tr = RLTrainer(small_config(), str(tmp_path))
+  peak = [0]
+
+  def read(key):
+    if key == "bytes_limit":
+      return 24 * GIB
+    now = sum(x.nbytes for x in jax.live_arrays())
+    peak[0] = max(peak[0], now)
+    return now if key == "bytes_in_use" else peak[0]
+
+  got = memory.measure(tr, 2, read)
+  assert got["state_in_use"] * GIB >= sum(tr.memory_plan.state.values())
+  assert [s["step"] for s in got["steps"]] == [1, 2]
+  assert got["state_in_use"] <= got["rollout_peak"] <= got["steps"][0]["peak"] <= got["steps"][1]["peak"]
+  assert all(s["token_mult_prob_error"] == 1.0 and s["rollout_s"] > 0 for s in got["steps"]), got["steps"]
+  assert "collect" not in vars(tr.worker)
+  with pytest.raises(ValueError, match="allocator statistics"):
+    memory.allocator_stats(jax.devices("cpu")[0])

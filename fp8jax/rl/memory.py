@@ -109,6 +109,43 @@ def plan(learner, sampler, sample_recipe, *, prompts: int, samples: int, prompt_
                     train=train, estimates=("remat checkpoints (a microbatch)",), kv_cache=sampler.scfg.kv_cache)
 
 
+def allocator_stats(device=None):
+  """``read(key)``: the allocator's ``bytes_in_use`` / ``peak_bytes_in_use`` / ``bytes_limit`` of ``device`` (this
+  process's first), in bytes. Raises ValueError at once where the backend keeps no such statistics (XLA:CPU)."""
+  dev = device or jax.local_devices()[0]
+  if "peak_bytes_in_use" not in (dev.memory_stats() or {}):
+    raise ValueError(f"device {dev} keeps no allocator statistics (memory_stats()); measure on a GPU")
+  return lambda key: int(dev.memory_stats()[key])
+
+
+def measure(trainer, steps: int, read) -> dict:
+  """Runs RL steps 0..``steps``-1 of a built ``RLTrainer`` and returns what ``read`` (``allocator_stats``) saw, in
+  GiB: the bytes in use once the state exists (KV scales and KL reference made), the peak through the first rollout
+  (read when its tokens reach the host), and per step the peak so far, with the step's timings. Beside the plan
+  (``scripts/plan_memory.py --measure_steps``), the difference is what XLA's temporaries and programs add."""
+  trainer.start_rl()
+  jax.block_until_ready(trainer.state)
+  out = {"state_in_use": read("bytes_in_use") / GIB, "limit": read("bytes_limit") / GIB, "steps": []}
+  worker, collect, seen = trainer.worker, trainer.worker.collect, {}
+
+  def collect_and_read(*a, **k):
+    col = collect(*a, **k)
+    seen.setdefault("rollout_peak", read("peak_bytes_in_use") / GIB)
+    return col
+
+  worker.collect = collect_and_read
+  try:
+    for i in range(steps):
+      m = trainer.step(i)
+      out["steps"].append({"step": i + 1, "peak": read("peak_bytes_in_use") / GIB,
+                           "in_use": read("bytes_in_use") / GIB, "step_s": m["step_s"], "rollout_s": m["rollout_s"],
+                           "train_s": m["train_s"], "token_mult_prob_error": m["token_mult_prob_error"]})
+  finally:
+    del worker.collect  # the bound method again
+  out["rollout_peak"] = seen["rollout_peak"]
+  return out
+
+
 def device_limit() -> int | None:
   """Bytes the allocator of this process's first device may use (None where the backend does not say: CPU)."""
   stats = jax.local_devices()[0].memory_stats() or {}
