@@ -123,6 +123,8 @@ def measure(trainer, steps: int, read) -> dict:
   GiB: the bytes in use once the state exists (KV scales and KL reference made), the peak through the first rollout
   (read when its tokens reach the host), and per step the peak so far, with the step's timings. Beside the plan
   (``scripts/plan_memory.py --measure_steps``), the difference is what XLA's temporaries and programs add."""
+  if steps < 1:
+    raise ValueError(f"measure: steps={steps}, at least 1 (the first step's rollout and train phases)")
   trainer.start_rl()
   jax.block_until_ready(trainer.state)
   out = {"state_in_use": read("bytes_in_use") / GIB, "limit": read("bytes_limit") / GIB, "steps": []}
