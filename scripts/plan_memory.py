@@ -57,6 +57,8 @@ def main(argv):
   del argv
   if _CONFIG.value is None:
     raise app.UsageError("--config is required, e.g. --config=configs/llama8b_fp8.py")
+  if _MEASURE.value and _N:
+    raise app.UsageError("--measure_steps runs on the local devices: leave out --devices")
   from fp8jax.rl import memory  # noqa: PLC0415
   from fp8jax.rl.trainer import memory_plan  # noqa: PLC0415
 
@@ -68,19 +70,17 @@ def main(argv):
   plan = memory_plan(_CONFIG.value)
   limit = int(_GIB.value * memory.GIB) if _GIB.value else (None if _N else memory.device_limit())
   print(plan.table())
-  verdict = "no limit to check against (CPU: pass --device_gib)" if limit is None else None
+  verdict, fits = ("no limit to check against (CPU: pass --device_gib)" if limit is None else None), True
   try:
     memory.check(plan, limit)
   except ValueError as e:
-    verdict = f"does not fit: {e}"
+    verdict, fits = f"does not fit: {e}", False
   exact = plan.peak(exact_only=True) / memory.GIB
   verdict = verdict or (f"fits {limit / memory.GIB:.1f} GiB per device (exact part {exact:.1f} GiB; activations "
                         f"beyond the remat checkpoints not counted)")
   print(verdict)
   result = dict(plan.to_json(), limit=limit, verdict=verdict)
-  if _MEASURE.value and not verdict.startswith("does not fit"):
-    if _N:
-      raise app.UsageError("--measure_steps runs on the local devices: leave out --devices")
+  if _MEASURE.value and fits:
     import tempfile  # noqa: PLC0415
 
     from fp8jax.rl.trainer import RLTrainer  # noqa: PLC0415
@@ -106,7 +106,7 @@ def main(argv):
   if _JSON.value:
     with open(_JSON.value, "w") as f:
       json.dump(result, f, indent=1)
-  return 1 if verdict.startswith("does not fit") else 0
+  return 0 if fits else 1
 
 
 if __name__ == "__main__":
