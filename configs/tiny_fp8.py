@@ -24,14 +24,14 @@ def get_config(arg=None):
   # QK-norm: the warm start leaves its loss plateau (~1.3) after 150-300 steps on every seed tried (0-4); with 2 heads
   # of 128 and no QK-norm it stayed there for 600+ steps on most seeds (an independent plain-JAX FP32 model of that
   # shape too, so the plateau is the task's, not FP8's). head_dim 32 is below what the Pallas attention kernels take
-  # (64, 128): on a GPU this config's attention runs the reference, with a logged warning (ops.backend_report()).
+  # (64, 128): on a GPU this config's attention runs the reference, with a logged warning (backends.backend_report()).
   c.model = ml_collections.ConfigDict(dict(
       vocab_size=128, dim=256, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=32, ffn_dim=512,
       norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_embeddings=False, qk_norm=True, max_seq_len=64,
       dtype="bfloat16", remat=False,
       attn_backend="auto"))  # fp8jax.attention: "auto" (Pallas kernels on a CUDA GPU, else the reference) | "xla" | "pallas"
 
-  # FP8 recipe (fp8jax.quant.Recipe): block FP8 for every linear layer, FP8 KV cache in rollouts. mode: "fp8" (sampler
+  # FP8 recipe (fp8jax.recipes.Recipe): block FP8 for every linear layer, FP8 KV cache in rollouts. mode: "fp8" (sampler
   # and trainer, one engine), "bf16", or "fp8_rollout" (FP8 in generation only, the trainer BF16: docs/parity.md).
   c.fp8 = ml_collections.ConfigDict(dict(
       mode="fp8", keep_first_n=0, keep_last_n=0, keep_patterns=(), pow2_scales=False, kv_cache="fp8",

@@ -10,7 +10,7 @@ in ``pallas_kernels.attention``; both backends follow it:
 * "xla": ``attention_reference`` in plain jnp (autodiff gives its gradient). On CPU its rows are computed with
   shape-independent code, so decode rows equal training rows bit for bit there too (tests/test_attention.py).
 "auto" picks "pallas" on a CUDA GPU and "xla" elsewhere; operands the kernels do not take (head_dim, dtype) fall
-back to the reference with a logged warning, and every choice is listed in ``ops.backend_report()`` under
+back to the reference with a logged warning, and every choice is listed in ``backends.backend_report()`` under
 ``attention:``, so a change of numerics is never silent. "pallas" raises where the kernels cannot run.
 
 K/V forms: BF16 values (no scales), or E4M3 codes with per-layer FP32 scales applied after the dots (the FP8 KV
@@ -27,7 +27,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fp8jax import ops, sharding
+from fp8jax import backends, sharding
+
 from pallas_kernels import attention as ref
 
 @functools.cache
@@ -43,11 +44,11 @@ def tuning():
   return _kernels().TuningConfig()
 
 
-_gpu_available = ops.gpu_available
+_gpu_available = backends.gpu_available
 
 
 def resolve_backend(requested: str, q, k) -> str:
-  """'auto' | 'xla' | 'pallas' -> the backend that runs these operands (``ops.choose_backend``)."""
+  """'auto' | 'xla' | 'pallas' -> the backend that runs these operands (``backends.choose_backend``)."""
   def probe():
     if not _gpu_available():
       return False, "no CUDA GPU"
@@ -57,7 +58,7 @@ def resolve_backend(requested: str, q, k) -> str:
       return False, f"pallas kernels unavailable ({e})"
     return (True, "CUDA GPU") if why is None else (False, f"fallback to the reference: {why}")
 
-  return ops.choose_backend(requested, what="attention", config_key="model.attn_backend", probe=probe,
+  return backends.choose_backend(requested, what="attention", config_key="model.attn_backend", probe=probe,
                             prefix="attention:")
 
 

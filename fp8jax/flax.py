@@ -12,11 +12,12 @@ from flax import linen as nn
 from flax import nnx
 
 from fp8jax import ops, quant
+from fp8jax import recipes
 
 _INIT = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2)  # kernel is (out, in)
 
 
-def _apply(x, kernel, recipe: quant.Recipe, out_dtype: str):
+def _apply(x, kernel, recipe: recipes.Recipe, out_dtype: str):
   recipe.check_one_side("fp8jax.flax layers")
   w = quant.FP8Weight(kernel) if recipe.mode == "fp8" else kernel
   return ops.linear(x, w, ops.LinearConfig.from_recipe(recipe, out_dtype=out_dtype))
@@ -25,7 +26,7 @@ def _apply(x, kernel, recipe: quant.Recipe, out_dtype: str):
 class FP8Linear(nnx.Module):
   """``y = x @ kernel.T`` with block-FP8 GEMMs (nnx)."""
 
-  def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, recipe: quant.Recipe = quant.Recipe(),
+  def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, recipe: recipes.Recipe = recipes.Recipe(),
                param_dtype=jnp.float32, out_dtype: str = "bfloat16"):
     self.kernel = nnx.Param(_INIT(rngs.params(), (out_features, in_features), param_dtype))
     self.recipe, self.out_dtype = recipe, out_dtype
@@ -38,7 +39,7 @@ class FP8Dense(nn.Module):
   """``y = x @ kernel.T`` with block-FP8 GEMMs (linen)."""
 
   features: int
-  recipe: quant.Recipe = quant.Recipe()
+  recipe: recipes.Recipe = recipes.Recipe()
   param_dtype: jnp.dtype = jnp.float32
   out_dtype: str = "bfloat16"
 

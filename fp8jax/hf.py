@@ -20,7 +20,7 @@ Export:
   ``export_bf16(params, cfg, out_dir, tokenizer_dir=)``  config + BF16 safetensors (+ index) + tokenizer files.
   ``export_fp8(params, cfg, recipe, out_dir, tokenizer_dir=)``  block-FP8 in the DeepSeek-V3 / vLLM convention:
       E4M3 ``weight`` (out, in) + FP32 ``weight_scale_inv`` (ceil(out/128), ceil(in/128)), dequant = q * s, made by
-      ``quant.quantize_params`` — the very call the sampler runs on, so what is served is what was sampled.
+      ``recipes.quantize_params`` — the very call the sampler runs on, so what is served is what was sampled.
       Layers with a dimension that is not a multiple of 128 are written in BF16 unless ``ragged_fp8=True``:
       transformers 5.17 misreads their ceil-sized scale grid (refuses it, or reads 144x96 as 72x96 blocks).
 Pickle (``pytorch_model*.bin``) checkpoints are refused: loading them runs arbitrary code.
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from fp8jax import ops, quant
+from fp8jax import quant, recipes
 from fp8jax.model import llama, schema
 from fp8jax.model.config import ModelConfig
 
@@ -880,12 +880,12 @@ def export_bf16(params: dict, cfg: ModelConfig, out_dir: str, tokenizer_dir: str
   _write_config(out_dir, config)
 
 
-def export_fp8(params: dict, cfg: ModelConfig, recipe: quant.Recipe, out_dir: str,
+def export_fp8(params: dict, cfg: ModelConfig, recipe: recipes.Recipe, out_dir: str,
                tokenizer_dir: str | None = None, *, max_shard_bytes: int = 5 * 2**30,
                ragged_fp8: bool = False) -> dict:
   """Writes a block-FP8 HF directory (DeepSeek-V3 / vLLM convention); returns its ``quantization_config``.
 
-  The FP8 tensors are ``quant.quantize_params(params, recipe)`` — the sampler's own weights, bit for bit.
+  The FP8 tensors are ``recipes.quantize_params(params, recipe)`` — the sampler's own weights, bit for bit.
   Linear layers the recipe keeps (and the output head unless ``recipe.quantize_lm_head``) are written in BF16
   and listed in ``modules_to_not_convert``; embeddings and norms are always BF16.
   A weight with a dimension that is not a multiple of 128 has a ragged last scale tile; the convention's ceil-sized
@@ -902,7 +902,7 @@ def export_fp8(params: dict, cfg: ModelConfig, recipe: quant.Recipe, out_dir: st
   if recipe.mode != "fp8":
     raise HFCheckpointError(f"export_fp8 needs a recipe with mode='fp8', got mode={recipe.mode!r}")
   _check_params(params, cfg)
-  qparams = quant.quantize_params(params, recipe)
+  qparams = recipes.quantize_params(params, recipe)
 
   def as_fp8(w) -> bool:  # whether a quantized leaf is written as FP8 (ragged ones are not, unless ragged_fp8)
     return isinstance(w, quant.QWeight) and (ragged_fp8 or not any(d % quant.BLOCK for d in w.q.shape[-2:]))

@@ -27,7 +27,7 @@ import numpy as np
 
 import fp8jax
 from fp8jax import kvcache as kvc
-from fp8jax import ops, quant, sampler, sharding
+from fp8jax import ops, recipes, sampler, sharding
 from fp8jax.model import ModelConfig, gqa, head, init_params, llama, mla
 from fp8jax.rl import grpo, learner
 
@@ -57,13 +57,13 @@ def add_model_args(ap):
   return ap
 
 
-def recipes(quantize_lm_head: bool = False) -> dict[str, quant.Recipe]:
+def promised_recipes(quantize_lm_head: bool = False) -> dict[str, recipes.Recipe]:
   """The three recipes the one-engine promise covers: BF16, FP8, FP8 + FP8 KV cache."""
-  return {"bf16": quant.Recipe(mode="bf16"), "fp8": quant.Recipe(quantize_lm_head=quantize_lm_head),
-          "fp8+kv": quant.Recipe(kv_cache="fp8", quantize_lm_head=quantize_lm_head)}
+  return {"bf16": recipes.Recipe(mode="bf16"), "fp8": recipes.Recipe(quantize_lm_head=quantize_lm_head),
+          "fp8+kv": recipes.Recipe(kv_cache="fp8", quantize_lm_head=quantize_lm_head)}
 
 
-def sampler_vs_trainer(cfg: ModelConfig, recipe: quant.Recipe, prompts, *, slots: int, samples: int, max_new: int,
+def sampler_vs_trainer(cfg: ModelConfig, recipe: recipes.Recipe, prompts, *, slots: int, samples: int, max_new: int,
                        seed: int = 0, bucket: int = 64, mesh=None) -> dict:
   """Generate ``samples`` completions per prompt, recompute their log-probs as the trainer does, compare.
   ``bucket``: the prompt length bucket (prompts up to that many tokens). ``mesh``: the sampler's (its weights
@@ -132,7 +132,7 @@ def _captured(fn, labels: list[str]):
   return run
 
 
-def block_divergence(cfg: ModelConfig, recipe: quant.Recipe, rows: int, length: int, seed: int = 0) -> list[dict]:
+def block_divergence(cfg: ModelConfig, recipe: recipes.Recipe, rows: int, length: int, seed: int = 0) -> list[dict]:
   """[{tensor, rows_bitwise, max_abs_diff, max_abs (of the training values)}] in call order (module docstring)."""
   with _spies():
     return _block_divergence(cfg, recipe, rows, length, seed)
@@ -142,7 +142,7 @@ def _block_divergence(cfg, recipe, rows, length, seed):
   master = init_params(cfg, seed=seed, std=0.05)
   tokens = jax.random.randint(jax.random.key(seed + 1), (rows, length), 0, cfg.vocab_size)
   lcfg = ops.LinearConfig.from_recipe(recipe)
-  train_params = quant.mark_fp8(master, recipe)
+  train_params = recipes.mark_fp8(master, recipe)
   kv_scales = None
   if recipe.kv_cache == "fp8":
     _, _, aux = fp8jax.jit(lambda p, t: llama.forward(p, t, cfg, lcfg))(train_params, tokens)

@@ -29,7 +29,7 @@ the activations quantized by the one-pass kernels of ``pallas_kernels.fp8_quant`
 ``backend_report()``, so a change of numerics is never silent. BF16 mode follows the same setting (fp8.gemm_backend):
 "pallas" is the batch-invariant BF16 mode of the same Hopper kernel (``fp8_gemm_mgpu.bf16_gemm``; cuBLAS, which a
 plain ``jnp.dot`` runs on a GPU, picks its kernels by M, so a row's logits would depend on the batch), "xla" is
-``fp8_gemm.invariant_dot`` (batch invariant on XLA:CPU).
+``core.invariant_dot`` (batch invariant on XLA:CPU).
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fp8jax import quant, sharding
+from fp8jax import backends, quant, sharding
+from fp8jax import recipes
+from pallas_kernels import core
 from pallas_kernels import fp8_gemm as fp8_gemm_ref
 from pallas_kernels import grouped_gemm as grouped_ref
 
@@ -65,7 +67,7 @@ class LinearConfig:
   parallel: str | None = None
 
   @classmethod
-  def from_recipe(cls, recipe: quant.Recipe, out_dtype: str = "bfloat16",
+  def from_recipe(cls, recipe: recipes.Recipe, out_dtype: str = "bfloat16",
                   mesh: jax.sharding.Mesh | None = None) -> "LinearConfig":
     return cls(pow2_scales=recipe.pow2_scales, backend=recipe.gemm_backend, out_dtype=out_dtype, mesh=mesh)
 
@@ -73,27 +75,6 @@ class LinearConfig:
 # ------------------------------------------------------------------------------------------------------------------
 # Backend switch
 # ------------------------------------------------------------------------------------------------------------------
-
-_REPORT: dict[str, str] = {}
-BACKENDS = ("auto", "xla", "pallas")
-
-
-def gpu_available() -> bool:
-  """Whether this process's first JAX device is a CUDA GPU (where the Pallas Triton kernels run)."""
-  try:
-    return jax.local_devices()[0].platform == "gpu"
-  except RuntimeError:
-    return False
-
-
-def hopper_available() -> bool:
-  """Whether this process's first JAX device is an sm_90 (Hopper) GPU, where the Pallas FP8 kernels run."""
-  try:
-    dev = jax.local_devices()[0]
-  except RuntimeError:
-    return False
-  return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
-
 
 @functools.cache
 def _pallas_gemm():
@@ -135,7 +116,7 @@ def _pallas_grouped_bf16_wgrad():
 
 
 def _kernel_probe(*loaders):
-  if not hopper_available():
+  if not backends.hopper_available():
     return False, "no sm_90 GPU"
   try:
     for load in loaders:
@@ -147,13 +128,13 @@ def _kernel_probe(*loaders):
 
 def resolve_backend(requested: str) -> str:
   """'auto' | 'xla' | 'pallas' -> the GEMM backend that will run; logs the choice once per (request, result)."""
-  return choose_backend(requested, what="fp8 gemm", config_key="fp8.gemm_backend",
+  return backends.choose_backend(requested, what="fp8 gemm", config_key="fp8.gemm_backend",
                         probe=lambda: _kernel_probe(_pallas_gemm, _pallas_quant))
 
 
 def resolve_bf16_backend(requested: str) -> str:
   """``resolve_backend`` for the BF16-mode GEMMs (the same setting; listed as ``bf16:requested->chosen``)."""
-  return choose_backend(requested, what="bf16 gemm", config_key="fp8.gemm_backend",
+  return backends.choose_backend(requested, what="bf16 gemm", config_key="fp8.gemm_backend",
                         probe=lambda: _kernel_probe(_pallas_bf16_gemm), prefix="bf16:")
 
 
@@ -163,45 +144,6 @@ def linear_backend(w, requested: str) -> str:
   if isinstance(w, (quant.QWeight, quant.FP8Weight)):
     return resolve_backend(requested)
   return resolve_bf16_backend(requested)
-
-
-def choose_backend(requested: str, *, what: str, config_key: str, probe, prefix: str = "") -> str:
-  """The one backend switch (GEMMs, attention): 'auto' | 'xla' | 'pallas' -> 'pallas' or 'xla'.
-
-  ``probe()`` -> (True, why) where the kernels run these operands here, else (False, why). 'auto' takes the kernels
-  when they run, 'pallas' raises where they do not; each outcome is logged once and listed by ``backend_report``.
-  """
-  if requested not in BACKENDS:
-    raise ValueError(f"unknown {what} backend {requested!r} ({config_key}: expected one of {BACKENDS})")
-  ok, why = (False, "requested") if requested == "xla" else probe()
-  if requested == "pallas" and not ok:
-    raise RuntimeError(f"{config_key}='pallas' cannot run here: {why}; use 'xla' or 'auto'")
-  chosen = "pallas" if ok else "xla"
-  key = f"{prefix}{requested}->{chosen}"
-  if why not in _REPORT.get(key, "").split("; "):  # every distinct reason is kept: a fallback for one shape is not
-    _REPORT[key] = why if key not in _REPORT else f"{_REPORT[key]}; {why}"  # hidden by an earlier choice
-    log.warning("fp8jax: %s backend %r resolved to %r (%s)", what, requested, chosen, why)
-  return chosen
-
-
-NO_GPU_REASONS = ("no CUDA GPU", "no sm_90 GPU")  # 'auto' on a machine without the kernels' GPU: not a fallback
-
-
-def kernel_fallbacks() -> int:
-  """How many distinct reasons sent an 'auto' backend to the plain-jnp reference on a machine that has the GPU its
-  kernels need (operands they do not take, kernels that would not import): 0 when every op ran its kernel, or when
-  there is no such GPU. The trainer's metrics carry it (``kernel_fallbacks``), so a change of numerics is visible
-  there as well as in the log and ``backend_report``."""
-  return sum(why not in NO_GPU_REASONS for key, whys in _REPORT.items() if key.endswith("auto->xla")
-             for why in whys.split("; "))
-
-
-def backend_report() -> dict[str, str]:
-  """Which GEMM and attention backends were resolved in this process, and why (for metrics and logs).
-
-  Keys are ``requested->chosen`` for the FP8 GEMMs, ``bf16:requested->chosen`` for the BF16-mode GEMMs and
-  ``attention:requested->chosen`` for attention."""
-  return dict(_REPORT)
 
 
 def fp8_gemm(a_q, a_s, b_q, b_s, out_dtype, backend: str = "auto") -> jax.Array:
@@ -466,7 +408,7 @@ def _linear_bf16(x_MxK, w_NxK, cfg: LinearConfig):
   """BF16 mode on the resolved backend: the Hopper kernel (custom VJP above) or ``invariant_dot`` (autodiff)."""
   if resolve_bf16_backend(cfg.backend) == "pallas":
     return _linear_bf16_kernel(x_MxK, w_NxK, cfg)
-  return fp8_gemm_ref.invariant_dot(x_MxK.astype(jnp.bfloat16), w_NxK.astype(jnp.bfloat16)).astype(cfg.out_dtype)
+  return core.invariant_dot(x_MxK.astype(jnp.bfloat16), w_NxK.astype(jnp.bfloat16)).astype(cfg.out_dtype)
 
 
 def _refuse_complex(op: str, x, w):

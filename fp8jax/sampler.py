@@ -48,6 +48,7 @@ import fp8jax
 from fp8jax import attention as attn
 from fp8jax import kvcache as kvc
 from fp8jax import ops, quant, sharding
+from fp8jax import recipes
 from fp8jax.model import fuse, head, llama
 from fp8jax.model.config import ModelConfig
 
@@ -257,12 +258,12 @@ class PageLayout:
         jnp.arange(self.prompt_pages, dtype=jnp.int32)[None]
 
 
-def prepare_params(params, recipe: quant.Recipe, dtype=jnp.bfloat16):
+def prepare_params(params, recipe: recipes.Recipe, dtype=jnp.bfloat16):
   """Sampling weights: ``quantize_params`` for the FP8 layers, the rest cast to the compute dtype.
 
   The cast changes no result: the model casts BF16-mode weights, embeddings and norms to the compute dtype anyway.
   """
-  qp = quant.quantize_params(params, recipe)
+  qp = recipes.quantize_params(params, recipe)
   return jax.tree.map(lambda x: x if isinstance(x, quant.QWeight) else x.astype(dtype), qp,
                       is_leaf=quant.is_fp8_leaf)
 

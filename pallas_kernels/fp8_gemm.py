@@ -10,7 +10,7 @@ with the block dot accumulated in FP32 and never split over K. Each output row t
 row of A: the result is batch invariant.
 
 BF16 mode (no quantization): ``C = A . B^T`` of BF16 operands with FP32 accumulation, B stored (N, K) likewise;
-``invariant_dot`` is the XLA path, ``bf16_gemm_reference`` the reference the kernel is tested against.
+``core.invariant_dot`` is the XLA path, ``bf16_gemm_reference`` the reference the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fp8jax.quant import BLOCK, num_blocks  # the one definition of the block size
+from pallas_kernels.core import BLOCK, invariant_dot, num_blocks
 
 
 def expand_b_scale(b_s: jax.Array, n: int) -> jax.Array:
@@ -46,68 +46,6 @@ def check_operands(a_q, a_s, b_q, b_s):
   for name, t in (("A", a_q), ("B", b_q)):
     if t.dtype != jnp.float8_e4m3fn:
       raise ValueError(f"{name} must be float8_e4m3fn, got {t.dtype}")
-
-
-ROW_TILE = 16
-
-
-def invariant_dot(a_MxK, b_NxK):
-  """FP32-accumulated a . b^T whose rows do not depend on M (batch invariance, also on XLA:CPU).
-
-  XLA:CPU picks its matmul blocking from all three dims, so the same row can round differently at another M
-  (seen for bf16 (56, 512) x (512, 256) vs (28, 512)). On CPU we therefore run a batch of fixed-shape
-  (ROW_TILE, K) x (K, N) products: every row goes through the same code whatever M is. Other platforms get a
-  plain dot (on GPUs the Pallas kernels provide the invariance).
-  """
-  m, k = a_MxK.shape
-  if jax.default_backend() != "cpu":
-    return jnp.dot(a_MxK, b_NxK.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-  mp = -(-m // ROW_TILE) * ROW_TILE
-  a = jnp.pad(a_MxK, ((0, mp - m), (0, 0))).reshape(mp // ROW_TILE, ROW_TILE, k)
-  out = jnp.einsum("itk,nk->itn", a, b_NxK, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-  return out.reshape(mp, -1)[:m]
-
-
-@jax.custom_vjp
-def pairwise_sum(x):
-  """Sum over the last axis in one fixed order on every backend and for every shape: pairwise halving (zero-padded to
-  a power of two), i.e. only elementwise adds, so no reduction emitter chooses the order. XLA:CPU's row reductions
-  pick their vectorization from the whole shape, so ``jnp.sum`` of the same row can round differently among 128 rows
-  than among 4096; the batch-invariant CPU paths (the RMSNorm and output-head references) sum with this instead.
-  Its gradient is a sum's (the cotangent broadcast over the axis), not the transposed tree of slices."""
-  return _pairwise_sum(x)
-
-
-def _pairwise_sum(x):
-  return _pairwise(x, jnp.add, 0)
-
-
-def _pairwise(x, op, pad_value):
-  n = x.shape[-1]
-  width = 1 << max(0, (n - 1).bit_length())
-  if width != n:
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)], constant_values=pad_value)
-  while width > 1:
-    width //= 2
-    x = op(x[..., :width], x[..., width:])
-  return x[..., 0]
-
-
-pairwise_sum.defvjp(lambda x: (_pairwise_sum(x), x.shape), lambda shape, g: (jnp.broadcast_to(g[..., None], shape),))
-
-
-def pairwise_max(x):
-  """Max over the last axis as elementwise maxima (``pairwise_sum``'s halving): no reduce. The max itself is exact in
-  any order, but XLA:CPU compiles an elementwise op fused after a row reduce per shape: ``exp(z - max(z))`` over
-  the same row came out differently among 4 rows than among 512 (rows of 8 and of 128), and not after this max."""
-  return _pairwise(x, jnp.maximum, -jnp.inf)
-
-
-def invariant_sum(x):
-  """Sum over the last axis whose rows do not depend on the row count: ``pairwise_sum`` on CPU (as ``invariant_dot``
-  runs fixed tiles there), a plain ``jnp.sum`` elsewhere (on GPUs XLA's fusions, tiled alike at every N once the
-  fusion autotuner is off: ``fp8jax.COMPILER_OPTIONS``)."""
-  return pairwise_sum(x) if jax.default_backend() == "cpu" else jnp.sum(x, axis=-1)
 
 
 def bf16_gemm_reference(a_MxK, b_NxK, out_dtype=jnp.float32):

@@ -1,7 +1,8 @@
 """Activation quantization kernels (Pallas, Triton backend): one pass over BF16/FP32 activations -> E4M3 + scales.
 
-Reference: ``fp8jax.quant.quantize_act`` / ``quantize_act_t`` (the quantizer). The kernel bodies call that module's
-own ``_finite_amax``, ``_scale_from_amax``, ``reciprocal`` and ``to_e4m3``, so the numerics are the quantizer's
+Reference: ``fp8jax.quant.quantize_act`` / ``quantize_act_t`` (the quantizer). The kernel bodies and the quantizer
+call the same ``pallas_kernels.core`` functions (``finite_amax``, ``scale_from_amax``, ``reciprocal``, ``to_e4m3``),
+so the numerics are the quantizer's
 by construction (compiled: ``to_e4m3``'s native-cast form, the one XLA uses on CUDA too; interpret mode: its exact
 FP32 rounding, the CPU form), and the GPU tests check the outputs bit for bit against the XLA quantizer.
 
@@ -34,16 +35,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fp8jax import quant
+from pallas_kernels import core
 
-BLOCK = quant.BLOCK
+BLOCK = core.BLOCK
 
 
 def _quantize_rows(x, pow2: bool, native_cast: bool):
   """(rows, 128) values -> (E4M3 (rows, 128), FP32 scale (rows, 1)): the quantizer's math on one tile."""
   x = x.astype(jnp.float32)
-  scale = quant._scale_from_amax(quant._finite_amax(x, -1), pow2)
-  q = quant.to_e4m3(x * quant.reciprocal(scale)[:, None], native_cast=native_cast)
+  scale = core.scale_from_amax(core.finite_amax(x, -1), pow2)
+  q = core.to_e4m3(x * core.reciprocal(scale)[:, None], native_cast=native_cast)
   return q, scale[:, None]
 
 
@@ -74,12 +75,12 @@ def quantize_act(x: jax.Array, pow2: bool = False, *, block_m: int = 64, num_war
   *lead, k = x.shape
   if scales_t and x.ndim != 2:
     raise ValueError(f"quantize_act(scales_t=True) takes a 2-D (tokens, features) array, got {tuple(x.shape)}")
-  quant._check_multiple(k, f"activation contraction dim (shape {tuple(x.shape)}, last axis)")
+  core.check_multiple(k, f"activation contraction dim (shape {tuple(x.shape)}, last axis)")
   x2 = x.reshape(-1, k)
   _check_2d(x2, "quantize_act kernel")
   m = x2.shape[0]
   bm = min(block_m, pl.next_power_of_2(m))
-  xp = quant.pad_k(x2, 0, bm)
+  xp = core.pad_k(x2, 0, bm)
   mp, kb = xp.shape[0], k // BLOCK
   if scales_t:
     s_shape, s_spec = (kb, mp), pl.BlockSpec((1, bm), lambda i, j: (j, i))
@@ -87,7 +88,7 @@ def quantize_act(x: jax.Array, pow2: bool = False, *, block_m: int = 64, num_war
     s_shape, s_spec = (mp, kb), pl.BlockSpec((bm, 1), lambda i, j: (i, j))
   q, s = pl.pallas_call(
       functools.partial(_act_kernel, pow2=pow2, native_cast=not interpret, scales_t=scales_t),
-      out_shape=(jax.ShapeDtypeStruct((mp, k), quant.FP8_DTYPE), jax.ShapeDtypeStruct(s_shape, jnp.float32)),
+      out_shape=(jax.ShapeDtypeStruct((mp, k), core.FP8_DTYPE), jax.ShapeDtypeStruct(s_shape, jnp.float32)),
       grid=(mp // bm, kb),
       in_specs=[pl.BlockSpec((bm, BLOCK), lambda i, j: (i, j))],
       out_specs=[pl.BlockSpec((bm, BLOCK), lambda i, j: (i, j)), s_spec],
@@ -106,11 +107,11 @@ def quantize_act_t(x_MxK: jax.Array, pow2: bool = False, *, block_k: int = 64, n
   _check_2d(x_MxK, "quantize_act_t kernel")
   k = x_MxK.shape[1]
   bk = min(block_k, pl.next_power_of_2(k))
-  xp = quant.pad_k(quant.pad_k(x_MxK, 0), 1, bk)  # ragged K: the padded feature rows are sliced off again
+  xp = core.pad_k(core.pad_k(x_MxK, 0), 1, bk)  # ragged K: the padded feature rows are sliced off again
   mp, kp = xp.shape
   q, s = pl.pallas_call(
       functools.partial(_act_t_kernel, pow2=pow2, native_cast=not interpret),
-      out_shape=(jax.ShapeDtypeStruct((kp, mp), quant.FP8_DTYPE),
+      out_shape=(jax.ShapeDtypeStruct((kp, mp), core.FP8_DTYPE),
                  jax.ShapeDtypeStruct((kp, mp // BLOCK), jnp.float32)),
       grid=(mp // BLOCK, kp // bk),
       in_specs=[pl.BlockSpec((BLOCK, bk), lambda i, j: (i, j))],

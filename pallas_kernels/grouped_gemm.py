@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.fp8_gemm import BLOCK, fp8_gemm_reference, invariant_dot, num_blocks
+from pallas_kernels.core import BLOCK, invariant_dot, num_blocks
+from pallas_kernels.fp8_gemm import fp8_gemm_reference
 
 
 def padded_rows(m: int, num_groups: int) -> int:

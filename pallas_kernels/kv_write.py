@@ -3,7 +3,7 @@
 Reference: ``fp8jax.kvcache.store`` (an XLA scatter per cache, with the FP8 cache's quantization fused into it). The
 kernel writes the same entries: row i of the new K/V (one token's (heads, head_dim) values) goes to offset
 ``offset[i]`` of page ``page[i]`` of the pool, quantized by the quantizer's own ``quantize_kv`` math for an FP8 pool
-(``quant.to_e4m3``, native cast when compiled, exact FP32 rounding in interpret mode: the same bits); rows with a
+(``core.to_e4m3``, native cast when compiled, exact FP32 rounding in interpret mode: the same bits); rows with a
 page outside the pool are dropped. The pools are aliased to the outputs (``input_output_aliases``), so inside the
 sampler's jitted decode loop the cache is updated in place.
 
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fp8jax import quant
+from pallas_kernels import core
 
 
 def unsupported(pool, new) -> str | None:
@@ -50,7 +50,7 @@ def _kernel(page_ref, off_ref, *refs, layer: int, fp8: bool, pair_ordered: bool,
       for src, dst in pieces:
         x = new_ref[i, :, src]
         if fp8:  # quantize_kv: codes of x * (1 / scale), the quantizer's rounding (elementwise: any columns)
-          x = quant.to_e4m3(x.astype(jnp.float32) * quant.reciprocal(s_ref[layer]), native_cast=native_cast)
+          x = core.to_e4m3(x.astype(jnp.float32) * core.reciprocal(s_ref[layer]), native_cast=native_cast)
         out_ref[page, off, :, dst] = x.astype(out_ref.dtype)
 
 
@@ -67,7 +67,7 @@ def paged_write(k_pool, v_pool, k_new_NxHxD, v_new_NxHxD, page_N, offset_N, k_sc
   kernel's operands), and the new values are quantized as ``kvcache.quantize_kv`` does. Inside a jitted loop that
   carries the pools (the sampler's decode) they are updated in place; called on its own, XLA copies them first
   (nothing is donated)."""
-  fp8 = k_pool.dtype == quant.FP8_DTYPE
+  fp8 = k_pool.dtype == core.FP8_DTYPE
   if fp8 and (k_scale_L is None or v_scale_L is None or not 0 <= layer < k_scale_L.shape[0]):
     raise ValueError(f"paged_write: an FP8 pool needs k_scale_L and v_scale_L (per-layer scales) holding layer "
                      f"{layer}")

@@ -46,6 +46,7 @@ import numpy as np  # noqa: E402
 from bench_gemm import jax_time_ms, log, LOG  # noqa: E402
 from fp8jax import attention as attn  # noqa: E402
 from fp8jax import kvcache, ops  # noqa: E402
+from fp8jax import backends
 from pallas_kernels import attention as ref  # noqa: E402
 
 H, KV, D = 32, 8, 128
@@ -294,7 +295,7 @@ def _train_step_child(impl_spec: str, seqs: int, seq_len: int, layers: int):
   """impl_spec = attention ('ours' | 'cudnn' | 'xla_einsum') + optional '+whole_head' (the unchunked output head)
   and '+bf16' (the BF16 recipe instead of FP8), '+xla_norm' (XLA's RMSNorm instead of the fixed-tile kernel) and
   '+xla_gemm' (fp8.gemm_backend='xla': cuBLAS for BF16 GEMMs, the XLA reference for FP8 ones)."""
-  from fp8jax import quant  # noqa: PLC0415
+  from fp8jax import recipes  # noqa: PLC0415
   from fp8jax.model import ModelConfig, head, init_params  # noqa: PLC0415
   from fp8jax.rl.learner import Policy  # noqa: PLC0415
 
@@ -315,7 +316,7 @@ def _train_step_child(impl_spec: str, seqs: int, seq_len: int, layers: int):
                     attn_backend="pallas" if impl == "ours" else "xla",
                     norm_backend="xla" if "xla_norm" in variants else "auto")
   params = init_params(cfg, seed=0)
-  recipe = quant.Recipe(mode="bf16" if "bf16" in variants else "fp8",
+  recipe = recipes.Recipe(mode="bf16" if "bf16" in variants else "fp8",
                         gemm_backend="xla" if "xla_gemm" in variants else "auto")
   policy = Policy(cfg, ops.LinearConfig.from_recipe(recipe), recipe)  # the trainer's log-probs
   toks = jax.random.randint(jax.random.key(1), (seqs, seq_len), 0, cfg.vocab_size)
@@ -336,7 +337,7 @@ def _train_step_child(impl_spec: str, seqs: int, seq_len: int, layers: int):
   stats = jax.devices()[0].memory_stats() or {}
   return {"impl": impl_spec, "seqs": seqs, "seq_len": seq_len, "layers": layers, "step_s": statistics.median(ts),
           "first_call_s": compile_s, "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "loss": float(val),
-          "gemm_backends": ops.backend_report()}
+          "gemm_backends": backends.backend_report()}
 
 
 def train_step_rows(seqs, seq_len, layers, impls):
@@ -510,7 +511,7 @@ def main():
       table += [f"{r['decode']:5s} {r['impl']:16s} {fmt(r.get('ms_per_layer') and r['ms_per_layer'] * 1e3):>9s} "
                 f"{fmt(r.get('live_gbps')):>10s} {fmt(r.get('frac_of_copy_bw'), '{:.2f}'):>10s}" for r in drows]
     name = "attention_h200.json"
-  result["backends"] = ops.backend_report()
+  result["backends"] = backends.backend_report()
   with open(os.path.join(a.out, name), "w") as f:
     json.dump(result, f, indent=1)
   with open(os.path.join(a.out, name.replace(".json", ".log")), "w") as f:

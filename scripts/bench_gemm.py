@@ -19,7 +19,7 @@ torch times are CUDA-event times of a CUDA-graph replay. Each timed call cycles 
 so decode-sized B matrices are read from HBM, not L2. Two wgrad rows (1x128 x 1x128, FP32 out) follow.
 
 --bf16 (issue 15): the BF16 mode of the same kernel (``fp8_gemm_mgpu.bf16_gemm``, ``choose_bf16_config``) against
-the XLA path fp8jax.ops used for BF16 linears before it (``fp8_gemm.invariant_dot``: a BF16 ``jnp.dot`` with FP32
+the XLA path fp8jax.ops used for BF16 linears before it (``core.invariant_dot``: a BF16 ``jnp.dot`` with FP32
 accumulation, which XLA runs on cuBLAS), at the lm_head (K 4096 x N 128256, FP32 logits; M 64, 256, 8192, 32768)
 and the Llama-3.1-8B linears (BF16 out; M 256, 8192). Per row: TFLOP/s of both (CUPTI kernel times), each one's
 relative error on sampled rows against ``bf16_gemm_reference`` (an FP32 dot), and row invariance: rows computed at
@@ -45,7 +45,8 @@ import jax.numpy as jnp
 from fp8jax import quant
 from pallas_kernels import fp8_gemm_mgpu as mgpu
 from pallas_kernels import fp8_gemm_triton as tgemm
-from pallas_kernels.fp8_gemm import bf16_gemm_reference, fp8_gemm_reference, invariant_dot
+from pallas_kernels.core import invariant_dot
+from pallas_kernels.fp8_gemm import bf16_gemm_reference, fp8_gemm_reference
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
           "lm_head": (4096, 128256)}
@@ -598,8 +599,8 @@ def main():
   p.add_argument("--bf16_cases", default=BF16_VARIANT_CASES, help="--bf16 --variants: comma list of M:shape")
   args = p.parse_args()
   if args.bf16:
-    from fp8jax import ops  # noqa: PLC0415
-    if not ops.hopper_available():
+    from fp8jax import backends  # noqa: PLC0415
+    if not backends.hopper_available():
       print("bench_gemm.py --bf16 needs an sm_90 (Hopper) GPU", file=sys.stderr)
       return 2
     return bf16_variants(args.out, args.bf16_cases) if args.variants else bf16_main(args.out)

@@ -264,8 +264,8 @@ def main():
   p.add_argument("--no-ragged-dot", action="store_true", help="skip XLA's ragged_dot")
   p.add_argument("--wgrad", action="store_true", help="the expert weight gradients (module docstring)")
   args = p.parse_args()
-  from fp8jax import ops  # noqa: PLC0415
-  if not ops.hopper_available():
+  from fp8jax import backends  # noqa: PLC0415
+  if not backends.hopper_available():
     print("bench_grouped.py needs an sm_90 (Hopper) GPU", file=sys.stderr)
     return 2
   import torch  # noqa: PLC0415

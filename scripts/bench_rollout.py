@@ -53,7 +53,7 @@ Columns:
              requests run on alone (scripts/occupancy_bound.py estimates it for other workloads).
 Attention runs fp8jax.attention (on a GPU the Pallas kernels: decode reads each slot's filled cache blocks only,
 FP8 K/V upcast in registers). What is still plain XLA: RoPE, norms, sampling, the KV write (scatter). The FP8 GEMMs run the Pallas Hopper kernel
-on sm_90 when it loads, else the exact XLA block reference (slow): ops.backend_report() is printed and saved. BF16
+on sm_90 when it loads, else the exact XLA block reference (slow): backends.backend_report() is printed and saved. BF16
 GEMMs (the lm_head, every linear of bf16) run the batch-invariant BF16 kernel and RMSNorm its fixed-tile kernel; the
 configs bf16_cublas (cuBLAS BF16 GEMMs + XLA RMSNorm) and fp8kv_xla_norm (XLA RMSNorm) put the shape-dependent
 pieces back, to measure the price of the exact one engine beside bf16 / fp8kv in one run. fp8kv_nofuse / bf16_nofuse
@@ -89,7 +89,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8jax import kvcache as kvc
-from fp8jax import ops, quant
+from fp8jax import backends, ops, recipes
 from fp8jax import sampler as smp
 from fp8jax.config_utils import load_config_file
 from fp8jax.model import llama, schema
@@ -98,28 +98,28 @@ from fp8jax.model.config import ModelConfig
 HBM_BYTES_PER_S = 4.8e12  # H200
 PEAK_FLOPS = {"bf16": 989e12, "fp8": 1979e12}  # H200 dense
 CONFIGS = {  # name -> (recipe, kv cache)
-    "bf16": (quant.Recipe(mode="bf16"), "bf16"),
-    "fp8": (quant.Recipe(), "bf16"),
-    "fp8kv": (quant.Recipe(kv_cache="fp8"), "fp8"),
+    "bf16": (recipes.Recipe(mode="bf16"), "bf16"),
+    "fp8": (recipes.Recipe(), "bf16"),
+    "fp8kv": (recipes.Recipe(kv_cache="fp8"), "fp8"),
     # the price of the exact one engine (issue 15), measured beside "bf16" / "fp8kv": the batch-invariant pieces
     # swapped for the shape-dependent ones (cuBLAS BF16 GEMMs, XLA RMSNorm); attention stays the Pallas op, whose
     # XLA twin reads the whole cache and is no fair peer
-    "bf16_cublas": (quant.Recipe(mode="bf16", gemm_backend="xla"), "bf16"),
-    "fp8kv_xla_norm": (quant.Recipe(kv_cache="fp8"), "fp8"),
+    "bf16_cublas": (recipes.Recipe(mode="bf16", gemm_backend="xla"), "bf16"),
+    "fp8kv_xla_norm": (recipes.Recipe(kv_cache="fp8"), "fp8"),
     # the decode attention's shared-prefix pass off (each slot reads its prompt's pages itself): measured beside
     # "fp8kv" / "bf16" on a workload with --samples > 1
-    "fp8kv_noshare": (quant.Recipe(kv_cache="fp8"), "fp8"),
-    "bf16_noshare": (quant.Recipe(mode="bf16"), "bf16"),
+    "fp8kv_noshare": (recipes.Recipe(kv_cache="fp8"), "fp8"),
+    "bf16_noshare": (recipes.Recipe(mode="bf16"), "bf16"),
     # q/k/v and gate/up as separate GEMMs (the sampler fuses them on the Hopper kernels: fp8jax.model.fuse)
-    "fp8kv_nofuse": (quant.Recipe(kv_cache="fp8"), "fp8"),
-    "bf16_nofuse": (quant.Recipe(mode="bf16"), "bf16"),
+    "fp8kv_nofuse": (recipes.Recipe(kv_cache="fp8"), "fp8"),
+    "bf16_nofuse": (recipes.Recipe(mode="bf16"), "bf16"),
     # decode attention with one program walking N slots of a KV head (attention_triton.TuningConfig.decode_slots), or
     # with the shared-prefix tiles walking their sequences' own blocks in one pass (prefix_walk); the same bits,
     # beside "fp8kv" / "bf16" (one program per slot after the prefix pass)
-    **{f"fp8kv_walk{n}": (quant.Recipe(kv_cache="fp8"), "fp8") for n in (1, 2, 4, 8)},
-    **{f"bf16_walk{n}": (quant.Recipe(mode="bf16"), "bf16") for n in (1, 2, 4, 8)},
-    "fp8kv_pwalk": (quant.Recipe(kv_cache="fp8"), "fp8"),
-    "bf16_pwalk": (quant.Recipe(mode="bf16"), "bf16"),
+    **{f"fp8kv_walk{n}": (recipes.Recipe(kv_cache="fp8"), "fp8") for n in (1, 2, 4, 8)},
+    **{f"bf16_walk{n}": (recipes.Recipe(mode="bf16"), "bf16") for n in (1, 2, 4, 8)},
+    "fp8kv_pwalk": (recipes.Recipe(kv_cache="fp8"), "fp8"),
+    "bf16_pwalk": (recipes.Recipe(mode="bf16"), "bf16"),
 }
 ATTENTION_TUNING = {  # config -> attention_triton.TuningConfig settings (attention_tuning)
     **{name: {"decode_slots": int(name.rsplit("walk", 1)[1])} for name in CONFIGS if "_walk" in name},
@@ -210,7 +210,7 @@ def model_config(a) -> ModelConfig:
                      max_seq_len=max(8192, a.prompt_len + a.max_new))
 
 
-def recipe_of(a, name: str) -> quant.Recipe:
+def recipe_of(a, name: str) -> recipes.Recipe:
   """The quantization recipe of a --configs entry: with --model_config, that recipe's fp8.keep_patterns kept BF16."""
   recipe = CONFIGS[name][0]
   if a.model_config and recipe.mode != "bf16":
@@ -667,8 +667,8 @@ def main(argv=None):
     out["fp8jax"].append(timed(run_fp8jax, a, cfg, name, params[CONFIGS[name][0].mode], prompts, w,
                                kv_scales if CONFIGS[name][1] == "fp8" else None))
     save(a, out)
-  meta["gemm_backends"] = ops.backend_report()
-  log(f"GEMM backends (ops.backend_report): {meta['gemm_backends']}")
+  meta["gemm_backends"] = backends.backend_report()
+  log(f"GEMM backends (backends.backend_report): {meta['gemm_backends']}")
   print_table(out["fp8jax"], out["tunix"])
   meta["total_s"] = time.perf_counter() - t_start
   save(a, out)

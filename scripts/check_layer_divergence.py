@@ -21,7 +21,7 @@ import fp8jax  # noqa: E402
 
 import jax  # noqa: E402
 
-from fp8jax import one_engine, ops  # noqa: E402
+from fp8jax import backends, one_engine  # noqa: E402
 
 
 def main():
@@ -31,11 +31,11 @@ def main():
   ap.add_argument("--recipes", default="fp8,fp8+kv,bf16")
   a = ap.parse_args()
   cfg = one_engine.model_config(a.dim, a.layers, a.vocab)
-  recipes = one_engine.recipes(a.quantize_lm_head)
+  recipes = one_engine.promised_recipes(a.quantize_lm_head)
   result = {"device": jax.devices()[0].device_kind, "args": vars(a), "recipes": {}}
   for name in a.recipes.split(","):
     result["recipes"][name] = one_engine.block_divergence(cfg, recipes[name], a.rows, a.len)
-  print(f"device: {result['device']}; backends: {ops.backend_report()}")
+  print(f"device: {result['device']}; backends: {backends.backend_report()}")
   for name, rows in result["recipes"].items():
     first = next((r["tensor"] for r in rows if r["rows_bitwise"] < 1), None)
     print(f"\n{name}: first tensor that differs: {first}")

@@ -22,7 +22,7 @@ import fp8jax  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fp8jax import one_engine, ops  # noqa: E402
+from fp8jax import backends, one_engine  # noqa: E402
 
 
 def main():
@@ -36,8 +36,8 @@ def main():
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, a.vocab, size=int(rng.integers(8, 48))).tolist() for _ in range(a.prompts)]
   rows = {name: one_engine.sampler_vs_trainer(cfg, r, prompts, slots=a.slots, samples=a.samples, max_new=a.max_new)
-          for name, r in one_engine.recipes(a.quantize_lm_head).items()}
-  print(f"device: {jax.devices()[0].device_kind}; GEMM backends: {ops.backend_report()}")
+          for name, r in one_engine.promised_recipes(a.quantize_lm_head).items()}
+  print(f"device: {jax.devices()[0].device_kind}; GEMM backends: {backends.backend_report()}")
   print(f"{'recipe':8s} {'tokens':>7s} {'token_mult_prob_error':>22s} {'max|dlp|':>10s} {'bitwise equal':>14s}")
   for name, m in rows.items():
     print(f"{name:8s} {m['tokens']:7d} {m['token_mult_prob_error']:22.9f} {m['max_abs_logp_diff']:10.2e} "

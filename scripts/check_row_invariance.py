@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 
 from fp8jax import attention as attn  # noqa: E402
 from fp8jax import kvcache, ops, quant  # noqa: E402
+from fp8jax import backends
 from fp8jax.model import head, layers  # noqa: E402
 from fp8jax.model.config import ModelConfig  # noqa: E402
 
@@ -125,7 +126,7 @@ def main():
                                                                          cache, ps[:, None]))[:, 0]
   rows.append({"op": "attention (decode vs training, 4 rows)", "d": 4096, "vocab": 0, "m4_rows_differ": float(
       np.mean(np.any(dec != train[np.arange(4), np.asarray(ps)], axis=(1, 2))))})
-  print(f"device: {jax.devices()[0].device_kind}; backends: {ops.backend_report()}")
+  print(f"device: {jax.devices()[0].device_kind}; backends: {backends.backend_report()}")
   cols = [f"m{m}" for m in (*m_decode, 4)]
   print(f"{'op':38s} {'D':>5s} {'V':>7s} " + " ".join(f"{c + ' rows differ':>15s} {'max|diff|':>9s}" for c in cols))
   for r in rows:

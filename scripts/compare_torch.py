@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fp8jax import hf, ops, quant  # noqa: E402
+from fp8jax import hf, ops, quant, recipes  # noqa: E402
 from fp8jax.model import llama  # noqa: E402
 
 E4M3_MAX = 448.0
@@ -64,9 +64,9 @@ def torch_outputs(hf_dir: str, tokens_BxT: np.ndarray, dtype: str = "float32"):
   return out.logits.float().numpy(), hs
 
 
-def fp8jax_outputs(params, cfg, tokens_BxT: np.ndarray, recipe: quant.Recipe):
+def fp8jax_outputs(params, cfg, tokens_BxT: np.ndarray, recipe: recipes.Recipe):
   """fp8jax with ``recipe`` -> (logits f32, residual stream list f32). FP8: the sampler's quantize_params weights."""
-  run_params = quant.quantize_params(params, recipe) if recipe.mode == "fp8" else params
+  run_params = recipes.quantize_params(params, recipe) if recipe.mode == "fp8" else params
   lcfg = ops.LinearConfig.from_recipe(recipe)
 
   @jax.jit
@@ -219,9 +219,9 @@ def compare(hf_dir: str, prompts=None, batch: int = 2, seq: int = 64, seed: int 
   result = {} if result is None else result
   cfg = hf.load_config(hf_dir)
   params = hf.load_params(hf_dir, cfg)
-  recipes = {"fp8jax-bf16": quant.Recipe(mode="bf16", gemm_backend="xla"),
-             "fp8jax-fp8": quant.Recipe(mode="fp8", gemm_backend="xla")}
-  runs = {name: functools.partial(fp8jax_outputs, params, cfg, recipe=r) for name, r in recipes.items()}
+  rows = {"fp8jax-bf16": recipes.Recipe(mode="bf16", gemm_backend="xla"),
+          "fp8jax-fp8": recipes.Recipe(mode="fp8", gemm_backend="xla")}
+  runs = {name: functools.partial(fp8jax_outputs, params, cfg, recipe=r) for name, r in rows.items()}
   if torch_bf16:
     runs = {"torch-bf16": lambda toks: torch_outputs(hf_dir, toks, "bfloat16"), **runs}
   token_sets = make_tokens(hf_dir, prompts, batch, seq, cfg.vocab_size, seed)

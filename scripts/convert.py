@@ -25,7 +25,7 @@ import fp8jax  # noqa: E402,F401  (sets the XLA flag before JAX starts)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from fp8jax import hf, quant  # noqa: E402
+from fp8jax import hf, recipes  # noqa: E402
 from fp8jax.config_utils import load_config_file  # noqa: E402
 from fp8jax.model import ModelConfig, param_shapes  # noqa: E402
 
@@ -58,11 +58,11 @@ def hf_to_ckpt(hf_dir: str, ckpt_dir: str, pow2_scales: bool = False) -> ModelCo
   return cfg
 
 
-def load_model_config(path: str) -> tuple[ModelConfig, quant.Recipe | None]:
+def load_model_config(path: str) -> tuple[ModelConfig, recipes.Recipe | None]:
   """HF config.json / HF dir, or a configs/*.py with get_config() -> (ModelConfig, fp8 Recipe or None)."""
   if path.endswith(".py"):
     c = load_config_file(path)
-    recipe = quant.Recipe.from_config(c.fp8) if "fp8" in c else None
+    recipe = recipes.Recipe.from_config(c.fp8) if "fp8" in c else None
     return ModelConfig.from_config(c.model), recipe
   return hf.load_config(os.path.dirname(path) if path.endswith(".json") else path), None
 
@@ -78,7 +78,7 @@ def load_ckpt_params(ckpt_dir: str, cfg: ModelConfig) -> dict:
 
 
 def ckpt_to_hf(ckpt_dir: str, out_dir: str, fmt: str = "bf16", config: str | None = None,
-               tokenizer_dir: str | None = None, recipe: quant.Recipe | None = None,
+               tokenizer_dir: str | None = None, recipe: recipes.Recipe | None = None,
                ragged_fp8: bool = False) -> None:
   meta = os.path.join(ckpt_dir, HF_SUBDIR)
   cfg, cfg_recipe = load_model_config(config or meta)
@@ -87,7 +87,7 @@ def ckpt_to_hf(ckpt_dir: str, out_dir: str, fmt: str = "bf16", config: str | Non
   if fmt == "bf16":
     hf.export_bf16(params, cfg, out_dir, tokenizer_dir)
   elif fmt == "fp8":
-    hf.export_fp8(params, cfg, recipe or cfg_recipe or quant.Recipe(mode="fp8"), out_dir, tokenizer_dir,
+    hf.export_fp8(params, cfg, recipe or cfg_recipe or recipes.Recipe(mode="fp8"), out_dir, tokenizer_dir,
                   ragged_fp8=ragged_fp8)
   else:
     raise ValueError(f"--format must be 'bf16' or 'fp8', got {fmt!r}")
@@ -116,7 +116,7 @@ def main(argv=None):
   elif args.from_ckpt and args.to_hf:
     recipe = None
     if args.keep_first_n is not None or args.keep_last_n is not None or args.pow2_scales:
-      recipe = quant.Recipe(mode="fp8", keep_first_n=args.keep_first_n or 0, keep_last_n=args.keep_last_n or 0,
+      recipe = recipes.Recipe(mode="fp8", keep_first_n=args.keep_first_n or 0, keep_last_n=args.keep_last_n or 0,
                             pow2_scales=args.pow2_scales)
     ckpt_to_hf(args.from_ckpt, args.to_hf, args.format, args.config, args.tokenizer_dir, recipe, args.ragged_fp8)
     print(f"wrote {args.format} HF directory {args.to_hf}")

@@ -35,7 +35,7 @@ import pytest
 
 import fp8jax
 from fp8jax import attention as attn
-from fp8jax import kvcache, ops
+from fp8jax import backends, kvcache
 from pallas_kernels import attention as ref
 from pallas_kernels import attention_triton as kern
 from pallas_kernels.lowering import lower_for_h200
@@ -560,7 +560,7 @@ def test_kernels_lower_for_cuda(kv_dtype):
 def test_backend_selection_is_reported_and_pallas_refuses_without_a_gpu(monkeypatch, caplog):
   q, k, v, _, _ = _qkv(0, 1, 8, 2, 1, 128)
   assert attn.resolve_backend("auto", q, k) == "xla"
-  assert "attention:auto->xla" in ops.backend_report()
+  assert "attention:auto->xla" in backends.backend_report()
   with pytest.raises(RuntimeError, match="attn_backend='pallas' cannot run here"):
     attn.resolve_backend("pallas", q, k)
   with pytest.raises(ValueError, match="model.attn_backend"):
@@ -570,7 +570,7 @@ def test_backend_selection_is_reported_and_pallas_refuses_without_a_gpu(monkeypa
   q96 = jnp.zeros((1, 8, 2, 96), jnp.bfloat16)
   with caplog.at_level(logging.WARNING):
     assert attn.resolve_backend("auto", q96, q96[:, :, :1]) == "xla"
-  assert "head_dim 96" in ops.backend_report()["attention:auto->xla"]
+  assert "head_dim 96" in backends.backend_report()["attention:auto->xla"]
   assert any("head_dim 96" in r.message for r in caplog.records)
   with pytest.raises(RuntimeError, match="head_dim 96"):
     attn.resolve_backend("pallas", q96, q96[:, :, :1])

@@ -8,6 +8,7 @@ import numpy as np
 from flax import nnx
 
 from fp8jax import ops, quant
+from fp8jax import recipes
 from fp8jax.flax import FP8Dense, FP8Linear
 
 
@@ -22,7 +23,7 @@ def test_nnx_linear_equals_op_and_has_gradients():
 
 def test_linen_dense_fp8_and_bf16_modes():
   x = jax.random.normal(jax.random.key(2), (3, 128), jnp.bfloat16)
-  fp8, bf16 = FP8Dense(256), FP8Dense(256, recipe=quant.Recipe(mode="bf16"))
+  fp8, bf16 = FP8Dense(256), FP8Dense(256, recipe=recipes.Recipe(mode="bf16"))
   params = fp8.init(jax.random.key(0), x)
   k = params["params"]["kernel"]
   np.testing.assert_array_equal(fp8jax.jit(fp8.apply)(params, x), ops.linear(x, quant.FP8Weight(k)))

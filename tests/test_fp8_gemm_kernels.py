@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8jax import ops
+from fp8jax import backends
 
 from pallas_kernels import fp8_gemm_mgpu as mgpu
 from pallas_kernels import fp8_gemm_triton as tgemm
@@ -55,7 +55,7 @@ def _rel_err(out, ref) -> float:
   return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
 
 
-requires_hopper = pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
+requires_hopper = pytest.mark.skipif(not backends.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -17,10 +17,12 @@ import numpy as np
 import pytest
 
 from fp8jax import ops, quant
+
+from fp8jax import backends
 from pallas_kernels import fp8_quant
 from pallas_kernels.lowering import lower_for_h200
 
-requires_hopper = pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
+requires_hopper = pytest.mark.skipif(not backends.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
 
 
 def _activations(seed: int, m: int, k: int, dtype) -> jax.Array:

@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 
 from fp8jax import ops, quant
+
+from fp8jax import backends
+from fp8jax import recipes
 from fp8jax import sampler as smp
 from fp8jax.model import fuse, llama
 from fp8jax.model.config import ModelConfig
@@ -18,7 +21,7 @@ from fp8jax.model.config import ModelConfig
 # Widths that are whole 128-row blocks (q 512, k/v 256, ffn 384), as the fused kernels need.
 CFG = ModelConfig(vocab_size=256, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=128, ffn_dim=384)
 LIN = ops.LinearConfig()
-RECIPES = {"bf16": quant.Recipe(mode="bf16"), "fp8": quant.Recipe()}
+RECIPES = {"bf16": recipes.Recipe(mode="bf16"), "fp8": recipes.Recipe()}
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +122,7 @@ def test_sampler_fuses_once_and_generates(sparams, kernels_here):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 GPU (the invariant Pallas GEMMs)")
+@pytest.mark.skipif(not backends.hopper_available(), reason="needs an sm_90 GPU (the invariant Pallas GEMMs)")
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
 def test_gpu_fused_forward_bitwise(recipe):
   """On Hopper the fused GEMMs' columns are the separate GEMMs' bit for bit: the forward (prefill-like and

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from fp8jax import ops, quant
+
+from fp8jax import backends
 from pallas_kernels import grouped_gemm
 
 # Bitwise equality to the dense op rests on the batch invariance of the XLA:CPU path (see test_ops.cpu_only).
@@ -292,7 +294,7 @@ def test_bf16_grouped_kernel_on_pallas_matches_reference(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.skipif(not backends.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.parametrize("kind", ["fp8_master", "qweight", "bf16"])
 def test_gpu_grouped_kernel_bitwise_dense_per_group(kind):
   """The grouped kernel on the H200 (the "pallas" backend, FP8 and BF16 modes): each group's y and dx bitwise the

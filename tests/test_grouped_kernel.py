@@ -20,14 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8jax import ops
+from fp8jax import backends
 from pallas_kernels import fp8_gemm_mgpu as mgpu
 from pallas_kernels import grouped_gemm
 from pallas_kernels.fp8_gemm import fp8_gemm_reference
 from pallas_kernels.lowering import lower_for_h200
 
 T = mgpu.TuningConfig
-requires_hopper = pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
+requires_hopper = pytest.mark.skipif(not backends.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
 
 # Qwen3-30B-A3B experts (configs/qwen3_30b_a3b_fp8.py): dim 2048, moe_ffn_dim 768, 128 experts, top-8.
 QWEN3_MOE = {"gate_up": (768, 2048), "down": (2048, 768)}  # name: (N, K) of C = A . W_e^T; dgrad swaps them

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from fp8jax import ops, quant
+
+from fp8jax import backends
 from fp8jax.model import head
 
 CHUNK = 256
@@ -110,7 +112,7 @@ def test_whole_vocab_path_matches_chunks(kind, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 GPU (the invariant Pallas GEMM)")
+@pytest.mark.skipif(not backends.hopper_available(), reason="needs an sm_90 GPU (the invariant Pallas GEMM)")
 @pytest.mark.parametrize("kind", ["bf16", "fp8_master", "fp8_frozen"])
 def test_gpu_sampler_rows_are_trainer_rows(kind, monkeypatch):
   """On Hopper, with the head on the batch-invariant kernels: the sampler's log-prob of a row at decode sizes

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from fp8jax import hf, ops, quant
+from fp8jax import recipes
 from fp8jax.model import layers, llama
 from fp8jax.model.config import ModelConfig
 
@@ -28,8 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 import compare_torch  # noqa: E402
 
 ARCHS = ("llama", "qwen3")
-BF16 = quant.Recipe(mode="bf16", gemm_backend="xla")
-FP8 = quant.Recipe(mode="fp8", gemm_backend="xla")
+BF16 = recipes.Recipe(mode="bf16", gemm_backend="xla")
+FP8 = recipes.Recipe(mode="fp8", gemm_backend="xla")
 MSGS = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "What is 2+2? Solve for x."}]
 
@@ -205,20 +206,20 @@ def _st(path):
     return {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
 
 
-@pytest.mark.parametrize("arch,recipe", [("llama", quant.Recipe(mode="fp8", keep_first_n=1)),
-                                         ("qwen3", quant.Recipe(mode="fp8", pow2_scales=True))])
+@pytest.mark.parametrize("arch,recipe", [("llama", recipes.Recipe(mode="fp8", keep_first_n=1)),
+                                         ("qwen3", recipes.Recipe(mode="fp8", pow2_scales=True))])
 def test_export_fp8_convention(arch, recipe, loaded, tmp_path):
   cfg, params = loaded[arch]
   out = str(tmp_path / "fp8")
   hf.export_fp8(params, cfg, recipe, out)
   qc = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
   kept_layers = [0] if recipe.keep_first_n else []
-  expect_kept = [f"model.layers.{i}.{hf.HF_LAYER_MODULES[n]}" for i in kept_layers for n in quant.LINEAR_NAMES
+  expect_kept = [f"model.layers.{i}.{hf.HF_LAYER_MODULES[n]}" for i in kept_layers for n in recipes.LINEAR_NAMES
                  if n in params["layers"][i]]  # the dense layer's linears (LINEAR_NAMES also lists MoE experts)
   assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
                 "modules_to_not_convert": expect_kept + ["lm_head"]}
   header = _st(os.path.join(out, "model.safetensors"))
-  qparams = quant.quantize_params(params, recipe)  # what the sampler runs on
+  qparams = recipes.quantize_params(params, recipe)  # what the sampler runs on
   expected = {}
   for path, (name, shape) in hf.hf_param_names(cfg).items():
     mod = name[:-len(".weight")]
@@ -234,7 +235,7 @@ def test_export_fp8_convention(arch, recipe, loaded, tmp_path):
   # Dequantized export == fp8jax's FP8 weights, exactly (and q, scale bitwise).
   with safe_open(os.path.join(out, "model.safetensors"), "np") as f:
     for i, layer in enumerate(qparams["layers"]):
-      for n in (n for n in quant.LINEAR_NAMES if n in layer):
+      for n in (n for n in recipes.LINEAR_NAMES if n in layer):
         mod = f"model.layers.{i}.{hf.HF_LAYER_MODULES[n]}"
         if not isinstance(layer[n], quant.QWeight):
           assert mod in qc["modules_to_not_convert"]
@@ -266,7 +267,7 @@ def test_export_fp8_loads_in_transformers(loaded, tmp_path):
   out = str(tmp_path / "fp8")
   hf.export_fp8(params, cfg, FP8, out)
   m = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-  qparams = quant.quantize_params(params, FP8)
+  qparams = recipes.quantize_params(params, FP8)
   for i, layer in enumerate(qparams["layers"]):
     np.testing.assert_array_equal(m.model.layers[i].mlp.down_proj.weight.detach().numpy(),
                                   np.asarray(layer["w_down"].dequantize()))

@@ -17,11 +17,12 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from fp8jax import hf, quant
+from fp8jax import recipes
 from fp8jax.model import ModelConfig, llama
 
 ALIGNED = ModelConfig(vocab_size=256, dim=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=128, ffn_dim=384)
 RAGGED = ModelConfig(vocab_size=256, dim=256, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=128, ffn_dim=320)
-FP8 = quant.Recipe(mode="fp8", gemm_backend="xla")
+FP8 = recipes.Recipe(mode="fp8", gemm_backend="xla")
 
 
 def _params(cfg, seed=0):
@@ -61,7 +62,7 @@ def _raw(path):
 
 @pytest.mark.parametrize("cfg,recipe,ragged_fp8", [
     (ALIGNED, FP8, False),
-    (ALIGNED, quant.Recipe(mode="fp8", gemm_backend="xla", pow2_scales=True), False),
+    (ALIGNED, recipes.Recipe(mode="fp8", gemm_backend="xla", pow2_scales=True), False),
     (RAGGED, FP8, True),
 ])
 def test_fp8_export_import_export_is_exact(tmp_path, caplog, cfg, recipe, ragged_fp8):
@@ -72,7 +73,7 @@ def test_fp8_export_import_export_is_exact(tmp_path, caplog, cfg, recipe, ragged
   assert "not reproduced exactly" not in caplog.text
   # The loaded master weights requantize to the very codes and scales that were exported (what the sampler and the
   # trainer's forward then run on)...
-  _same_qweights(quant.quantize_params(params, recipe), quant.quantize_params(loaded, recipe))
+  _same_qweights(recipes.quantize_params(params, recipe), recipes.quantize_params(loaded, recipe))
   # ...so exporting them again writes the same bytes, every tensor (the BF16 ones round-trip through FP32 exactly).
   hf.export_fp8(loaded, cfg, recipe, str(tmp_path / "b"), ragged_fp8=ragged_fp8)
   a, b = _raw(str(tmp_path / "a" / "model.safetensors")), _raw(str(tmp_path / "b" / "model.safetensors"))

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from fp8jax import hf, quant
+from fp8jax import recipes
 from fp8jax.model import schema
 from fp8jax.model.config import ModelConfig
 
@@ -31,8 +32,8 @@ E, K_TOP, D, F_MOE, F_DENSE, V = 8, 2, 256, 128, 256, 256
 EXPECT = ModelConfig(vocab_size=V, dim=D, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=F_DENSE,
                      norm_eps=1e-6, rope_theta=1e6, qk_norm=True, max_seq_len=512, n_experts=E,
                      n_experts_per_tok=K_TOP, moe_ffn_dim=F_MOE, norm_topk_prob=True, mlp_only_layers=(1,))
-FP8 = quant.Recipe(mode="fp8", gemm_backend="xla")
-BF16 = quant.Recipe(mode="bf16", gemm_backend="xla")
+FP8 = recipes.Recipe(mode="fp8", gemm_backend="xla")
+BF16 = recipes.Recipe(mode="bf16", gemm_backend="xla")
 WEIGHTS = "model.safetensors"
 
 
@@ -141,7 +142,7 @@ def test_export_bf16_reloads_in_transformers(src, loaded, tmp_path):
                                                                                    np.float32)), back, params)
 
 
-@pytest.mark.parametrize("recipe", [FP8, quant.Recipe(mode="fp8", keep_first_n=1, pow2_scales=True)])
+@pytest.mark.parametrize("recipe", [FP8, recipes.Recipe(mode="fp8", keep_first_n=1, pow2_scales=True)])
 def test_export_fp8_convention(recipe, loaded, tmp_path):
   """Each expert's matrices are E4M3 + weight_scale_inv, bitwise the slices of the sampler's stacked QWeights; the
   router is BF16; a MoE layer kept BF16 is listed once as its experts module; fp8jax reads the directory back to
@@ -152,7 +153,7 @@ def test_export_fp8_convention(recipe, loaded, tmp_path):
   kept0 = [f"model.layers.0.self_attn.{m}_proj" for m in "qkvo"] + ["model.layers.0.mlp.experts"]
   assert qc["modules_to_not_convert"] == (kept0 if recipe.keep_first_n else []) + ["lm_head"]
   header = {k: (v["dtype"], tuple(v["shape"])) for k, v in _st(os.path.join(out, WEIGHTS)).items()}
-  qparams = quant.quantize_params(params, recipe)
+  qparams = recipes.quantize_params(params, recipe)
   fp8_experts = not recipe.keep_first_n
   for e in range(E):
     for mod, shape in (("gate_proj", (F_MOE, D)), ("up_proj", (F_MOE, D)), ("down_proj", (D, F_MOE))):
@@ -175,7 +176,7 @@ def test_export_fp8_convention(recipe, loaded, tmp_path):
           np.testing.assert_array_equal(q.view(np.uint8), np.asarray(qw.q[e]).view(np.uint8))
           np.testing.assert_array_equal(f.get_tensor(f"model.layers.0.mlp.experts.{e}.{mod}.weight_scale_inv"),
                                         np.asarray(qw.scale[e]))
-  back = quant.quantize_params(hf.load_params(out, hf.load_config(out), pow2_scales=recipe.pow2_scales), recipe)
+  back = recipes.quantize_params(hf.load_params(out, hf.load_config(out), pow2_scales=recipe.pow2_scales), recipe)
   for key in ("expert_gate", "expert_up", "expert_down", "w_up"):
     layer = 1 if key == "w_up" else 0
     a, b = back["layers"][layer][key], qparams["layers"][layer][key]
@@ -197,7 +198,7 @@ def test_export_fp8_loads_in_transformers(loaded, tmp_path):
   out = str(tmp_path / "fp8")
   hf.export_fp8(params, cfg, FP8, out)
   m = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-  qparams = quant.quantize_params(params, FP8)
+  qparams = recipes.quantize_params(params, FP8)
   ex = m.model.layers[0].mlp.experts
   gate_up = np.concatenate([np.asarray(qparams["layers"][0][k].dequantize()) for k in ("expert_gate", "expert_up")],
                            axis=1)  # transformers' in-memory layout: gate_up_proj (E, 2F, D) = [gate; up]
@@ -219,7 +220,7 @@ def test_export_fp8_loads_in_transformers(loaded, tmp_path):
 def test_export_refuses_part_fp8_experts(loaded, tmp_path):
   cfg, params = loaded
   with pytest.raises(hf.HFCheckpointError, match=r"layer 0's experts would be part FP8, part BF16"):
-    hf.export_fp8(params, cfg, quant.Recipe(mode="fp8", keep_patterns=("*/expert_down",)), str(tmp_path / "x"))
+    hf.export_fp8(params, cfg, recipes.Recipe(mode="fp8", keep_patterns=("*/expert_down",)), str(tmp_path / "x"))
   assert not os.path.exists(tmp_path / "x")  # refused before anything is written
 
 

@@ -15,6 +15,7 @@ import pytest
 from fp8jax import attention as attn
 from fp8jax import kvcache as kvc
 from fp8jax import quant
+from fp8jax import recipes
 from fp8jax import sampler as smp
 from fp8jax.model import gqa, llama
 from fp8jax.model.config import ModelConfig
@@ -90,7 +91,7 @@ def _fp8_sampler_run(params_seed: int, sampling_seed: int):
   inside the decode loop) generating with fixed KV scales. Each decode_chunk compiles new programs (jit caches key
   on the sampler's configs); the results do not depend on it."""
   cfg = ModelConfig(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256)
-  params = smp.prepare_params(llama.init_params(cfg, seed=params_seed, std=0.1), quant.Recipe())
+  params = smp.prepare_params(llama.init_params(cfg, seed=params_seed, std=0.1), recipes.Recipe())
   scfg = smp.SamplerConfig(slots=3, max_len=48, kv_cache="fp8", decode_chunk=4)
   prompts = [[1, 2, 3], list(range(5, 25)), [7] * 9]
   sp = smp.SamplingParams(temperature=1.0, max_new_tokens=10, seed=sampling_seed)

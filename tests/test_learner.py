@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from configs import tiny_fp8
-from fp8jax import kvcache, ops, quant, sharding
+from fp8jax import kvcache, ops, recipes, sharding
 from fp8jax.config_utils import dataclass_from_group
 from fp8jax.model import llama
 from fp8jax.model.config import ModelConfig
@@ -22,7 +22,7 @@ B, L = 16, 16
 def _learner(microbatch: int):
   c = tiny_fp8.get_config()
   cfg = ModelConfig.from_config(c.model)
-  recipe = quant.Recipe.from_config(c.fp8)
+  recipe = recipes.Recipe.from_config(c.fp8)
   gc = dataclass_from_group(learner_lib.GRPOConfig, dict(c.grpo, num_prompts=4, num_generations=4,
                                                           microbatch=microbatch), "grpo")
   mesh = sharding.make_mesh(c.mesh, jax.devices()[:1])

@@ -22,7 +22,7 @@ import numpy as np
 import optax
 import pytest
 
-from fp8jax import hf, quant
+from fp8jax import hf, recipes
 from fp8jax.model import llama, mla, moe, schema
 from fp8jax.model.config import ModelConfig
 
@@ -40,8 +40,8 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 VARIANTS = {"qlora_yarn_moe": (QLORA, YARN, 1), "plain_rope_moe": (None, {"rope_type": "default",
                                                                           "rope_theta": 10000.0}, 1),
             "dense_mla": (QLORA, YARN, L)}
-BF16 = quant.Recipe(mode="bf16", gemm_backend="xla")
-FP8 = quant.Recipe(mode="fp8", gemm_backend="xla")
+BF16 = recipes.Recipe(mode="bf16", gemm_backend="xla")
+FP8 = recipes.Recipe(mode="fp8", gemm_backend="xla")
 WEIGHTS = "model.safetensors"
 
 
@@ -124,10 +124,10 @@ def test_config_and_schema(models):
                                 m.model.layers[1].mlp.gate.e_score_correction_bias.numpy())
   assert {"wkv_a", "wkv_b", "kv_a_norm", "wq_a", "wq_b", "q_a_norm"} <= set(params["layers"][0])
   assert "wq" in models["plain_rope_moe"][3]["layers"][0] and "wk" not in params["layers"][0]
-  assert "wkv_b" not in quant.LINEAR_NAMES and {"wkv_a", "wq_a", "wq_b", "shared_gate"} <= set(quant.LINEAR_NAMES)
-  assert "router_bias" not in quant.LINEAR_NAMES
+  assert "wkv_b" not in recipes.LINEAR_NAMES and {"wkv_a", "wq_a", "wq_b", "shared_gate"} <= set(recipes.LINEAR_NAMES)
+  assert "router_bias" not in recipes.LINEAR_NAMES
   # the FP8 recipe quantizes the ragged kv_a (160 x 256: a zero-padded last row tile) and o_proj (256 x 192)
-  qp = quant.quantize_params(params, FP8)
+  qp = recipes.quantize_params(params, FP8)
   assert qp["layers"][0]["wkv_a"].scale.shape == (2, 2) and qp["layers"][0]["wo"].scale.shape == (2, 2)
   assert "kv_lora_rank + qk_rope_head_dim=160" in " ".join(cfg.fp8_shape_problems())
 
@@ -172,8 +172,8 @@ def test_fp8_close_to_bf16_and_one_engine(models, variant, bound):
   _, _, cfg, params = models[variant]
   toks = _tokens(seed=1)
   lb = _logits(params, cfg, toks)
-  l8 = _logits(quant.mark_fp8(params, FP8), cfg, toks)
-  lq = _logits(quant.quantize_params(params, FP8), cfg, toks)
+  l8 = _logits(recipes.mark_fp8(params, FP8), cfg, toks)
+  lq = _logits(recipes.quantize_params(params, FP8), cfg, toks)
   np.testing.assert_array_equal(l8, lq)
   c = lambda x: x - x.mean(-1, keepdims=True)  # noqa: E731
   rel = np.linalg.norm(c(l8) - c(lb)) / np.linalg.norm(c(lb))
@@ -211,7 +211,7 @@ def test_gradients_reach_mla_and_experts_not_the_bias(models):
     lp, _, _ = llama.next_token_logprobs(p, toks, cfg)
     return -jnp.mean(lp)
 
-  g = jax.jit(jax.grad(loss))(quant.mark_fp8(params, FP8))
+  g = jax.jit(jax.grad(loss))(recipes.mark_fp8(params, FP8))
   g0, g1 = g["layers"][0], g["layers"][1]
   for key in ("wq_a", "wq_b", "q_a_norm", "wkv_a", "kv_a_norm", "wkv_b", "wo"):
     arr = np.asarray(getattr(g0[key], "w", g0[key]))
@@ -291,8 +291,8 @@ def test_export_fp8_convention(models, tmp_path, ragged_fp8):
     assert header[kv_a + "_scale_inv"] == ("F32", (2, 2))  # ceil(160 / 128) x ceil(256 / 128)
   assert header["model.layers.1.mlp.gate.e_score_correction_bias"] == ("F32", (E,))
   assert header["model.layers.0.self_attn.kv_b_proj.weight"][0] == "BF16"
-  qparams = quant.quantize_params(params, FP8)
-  back = quant.quantize_params(hf.load_params(out, hf.load_config(out)), FP8)
+  qparams = recipes.quantize_params(params, FP8)
+  back = recipes.quantize_params(hf.load_params(out, hf.load_config(out)), FP8)
   for layer, key in ((0, "w_gate"), (0, "wkv_a"), (1, "shared_up"), (1, "expert_down")):
     a, b = back["layers"][layer][key], qparams["layers"][layer][key]
     if ragged_fp8 or key == "w_gate":
@@ -397,7 +397,7 @@ def test_moonlight_recipes_are_the_real_model(tmp_path):
     m = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path / "ours"))
   biases = sum(b.numel() for n, b in m.named_buffers() if n.endswith("e_score_correction_bias"))
   assert sum(p.numel() for p in m.parameters()) + biases == schema.num_params(cfg)
-  recipe = quant.Recipe.from_config(c8.fp8)
+  recipe = recipes.Recipe.from_config(c8.fp8)
   sel = {k: recipe.selects(f"layers/3/{k}", 3, cfg.n_layers) for k in ("wq", "wkv_a", "wo", "expert_gate",
                                                                         "shared_up")}
   assert sel == {"wq": False, "wkv_a": False, "wo": True, "expert_gate": True, "shared_up": True}

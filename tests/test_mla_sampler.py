@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from fp8jax import quant
+from fp8jax import recipes
 from fp8jax import sampler as smp
 from fp8jax.model import llama
 from fp8jax.model.config import ModelConfig
@@ -29,7 +30,7 @@ CFG = ModelConfig(vocab_size=128, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, 
                   moe_ffn_dim=64, norm_topk_prob=True, moe_router="sigmoid", n_group=4, topk_group=2,
                   routed_scaling_factor=2.5, n_shared_experts=1, mlp_only_layers=(0,))
 MAX_LEN = 48
-RECIPES = {"bf16": quant.Recipe(mode="bf16"), "fp8": quant.Recipe()}
+RECIPES = {"bf16": recipes.Recipe(mode="bf16"), "fp8": recipes.Recipe()}
 PROMPTS = [[5, 17, 33, 2, 9], [100, 3, 64, 64, 7, 8, 21, 90, 11], list(range(40, 54))]
 GREEDY = smp.SamplingParams(greedy=True, max_new_tokens=10)
 SP = smp.SamplingParams(temperature=0.8, top_k=64, top_p=0.95, max_new_tokens=12, stop_token_ids=(3, 7, 11), seed=0)
@@ -105,7 +106,7 @@ def test_sampler_logprobs_match_trainer(master, recipe, kv):
   scales = s.calibrate_kv_scales(p, PROMPTS, margin=1.25) if kv == "fp8" else None
   ro = s.generate(p, PROMPTS, SP, n=2, kv_scales=scales)
   seq, mask, old = ro.sequences()
-  tp = quant.mark_fp8(master, RECIPES[recipe])
+  tp = recipes.mark_fp8(master, RECIPES[recipe])
   fn = _trainer_fn(scales is not None)
   lp = fn(tp, jnp.asarray(seq), scales) if scales is not None else fn(tp, jnp.asarray(seq))
   m = {k: float(v) for k, v in grpo.mismatch_metrics(jnp.asarray(old), lp, jnp.asarray(mask)).items()}

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 
 from fp8jax import kvcache, ops, quant
+from fp8jax import recipes
 from fp8jax.model import ModelConfig, forward, init_params, logits, num_params
 from fp8jax.model import layers
 from pallas_kernels import rms_norm as norm_ref
 
 CFG = ModelConfig(vocab_size=256, dim=256, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512,
                   rope_scaling=(8.0, 1.0, 4.0, 64))
-FP8 = quant.Recipe()
+FP8 = recipes.Recipe()
 
 
 @pytest.fixture(scope="module")
@@ -42,26 +43,26 @@ def test_shapes_param_count_and_determinism(params):
   assert sum(x.size for x in jax.tree.leaves(params)) == num_params(CFG)
   again = init_params(CFG, seed=0)
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again)))
-  out = fwd_logits(quant.mark_fp8(params, FP8), tokens(2, 12))
+  out = fwd_logits(recipes.mark_fp8(params, FP8), tokens(2, 12))
   assert out.shape == (2, 12, CFG.vocab_size) and out.dtype == jnp.float32
   assert np.all(np.isfinite(out))
 
 
 def test_causality(params):
   """Changing future tokens leaves past logits unchanged (bitwise)."""
-  p = quant.mark_fp8(params, FP8)
+  p = recipes.mark_fp8(params, FP8)
   a, b = tokens(1, 16, 2), tokens(1, 16, 3)
   mixed = a.at[:, 10:].set(b[:, 10:])
   np.testing.assert_array_equal(fwd_logits(p, a)[:, :10], fwd_logits(p, mixed)[:, :10])
   assert not np.array_equal(fwd_logits(p, a)[:, 10:], fwd_logits(p, mixed)[:, 10:])
 
 
-@pytest.mark.parametrize("recipe", [quant.Recipe(mode="bf16"), FP8, quant.Recipe(kv_cache="fp8")],
+@pytest.mark.parametrize("recipe", [recipes.Recipe(mode="bf16"), FP8, recipes.Recipe(kv_cache="fp8")],
                          ids=["bf16", "fp8", "fp8-kv"])
 def test_full_sequence_equals_token_by_token_decode(params, recipe):
   """Decode with a KV cache (one token at a time) reproduces the full causal forward."""
   toks = tokens(2, 12, 4)
-  qp = quant.quantize_params(params, recipe)
+  qp = recipes.quantize_params(params, recipe)
   fp8_kv = recipe.kv_cache == "fp8"
   scales = (jnp.full((CFG.n_layers,), 0.02), jnp.full((CFG.n_layers,), 0.015)) if fp8_kv else None
   h_full, _, _ = fp8jax.jit(lambda p, t: forward(p, t, CFG, kv_scales=scales))(qp, toks)
@@ -92,7 +93,7 @@ FP8_LOGITS_REL_BOUND = 0.1
 def test_fp8_recipe_close_to_bf16(params):
   toks = tokens(4, 16, 5)
   lb = np.asarray(fwd_logits(params, toks), np.float64)
-  l8 = np.asarray(fwd_logits(quant.mark_fp8(params, FP8), toks), np.float64)
+  l8 = np.asarray(fwd_logits(recipes.mark_fp8(params, FP8), toks), np.float64)
   # Logits of a random model are small; compare their deviation from the per-token mean.
   lb_c, l8_c = lb - lb.mean(-1, keepdims=True), l8 - l8.mean(-1, keepdims=True)
   rel = np.linalg.norm(l8_c - lb_c) / np.linalg.norm(lb_c)
@@ -105,23 +106,23 @@ def test_fp8_recipe_close_to_bf16(params):
 
 
 def test_kept_layers_are_bf16_and_change_results(params):
-  keep = quant.Recipe(keep_first_n=1, keep_last_n=1)
-  qp = quant.quantize_params(params, keep)
-  kinds = [{isinstance(w, quant.QWeight) for n, w in layer.items() if n in quant.LINEAR_NAMES} for layer in qp["layers"]]
+  keep = recipes.Recipe(keep_first_n=1, keep_last_n=1)
+  qp = recipes.quantize_params(params, keep)
+  kinds = [{isinstance(w, quant.QWeight) for n, w in layer.items() if n in recipes.LINEAR_NAMES} for layer in qp["layers"]]
   assert kinds == [{False}, {True}, {False}]
   toks = tokens(1, 8, 6)
-  l_keep = fwd_logits(quant.mark_fp8(params, keep), toks)
-  assert not np.array_equal(l_keep, fwd_logits(quant.mark_fp8(params, FP8), toks))
+  l_keep = fwd_logits(recipes.mark_fp8(params, keep), toks)
+  assert not np.array_equal(l_keep, fwd_logits(recipes.mark_fp8(params, FP8), toks))
   # layer 0 in BF16 really is the BF16 computation: with every layer kept the model equals the BF16 model
-  all_kept = quant.Recipe(keep_first_n=CFG.n_layers)
-  np.testing.assert_array_equal(fwd_logits(quant.mark_fp8(params, all_kept), toks), fwd_logits(params, toks))
+  all_kept = recipes.Recipe(keep_first_n=CFG.n_layers)
+  np.testing.assert_array_equal(fwd_logits(recipes.mark_fp8(params, all_kept), toks), fwd_logits(params, toks))
 
 
 def test_training_forward_equals_sampling_forward_bitwise(params):
   """FP8Weight (quantized inside the op) and QWeight (quantize_params) give identical logits."""
   toks = tokens(2, 10, 7)
-  np.testing.assert_array_equal(fwd_logits(quant.mark_fp8(params, FP8), toks),
-                                fwd_logits(quant.quantize_params(params, FP8), toks))
+  np.testing.assert_array_equal(fwd_logits(recipes.mark_fp8(params, FP8), toks),
+                                fwd_logits(recipes.quantize_params(params, FP8), toks))
 
 
 def test_rope_llama3_scaling_matches_formula():
@@ -146,7 +147,7 @@ def test_gradients_flow_to_master_weights(params):
   toks = tokens(2, 8, 8)
 
   def loss(p):
-    h, _, _ = forward(quant.mark_fp8(p, FP8), toks, CFG)
+    h, _, _ = forward(recipes.mark_fp8(p, FP8), toks, CFG)
     return jnp.mean(logits(p, h, CFG) ** 2)
 
   g = fp8jax.jit(jax.grad(loss))(params)
@@ -161,7 +162,7 @@ def test_remat_path_is_the_deferred_residual_adds_bitwise(params):
   and the gradients bit for bit."""
   import dataclasses  # noqa: PLC0415
   toks = tokens(2, 12, 9)
-  p8 = quant.mark_fp8(params, FP8)
+  p8 = recipes.mark_fp8(params, FP8)
 
   def run(cfg):
     def loss(p):
@@ -232,7 +233,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
 import fp8jax, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from fp8jax import ops, quant, sharding
+from fp8jax import ops, recipes, sharding
 from fp8jax.model import ModelConfig, forward, init_params
 import kernel_standins
 
@@ -247,7 +248,7 @@ layers._norm_kernel = lambda: SimpleNamespace(rms_norm=norm_ref.rms_norm_referen
 cfg = ModelConfig(vocab_size=256, dim=256, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=128, ffn_dim=512,
                   attn_backend="xla", qk_norm=True)
 mesh = Mesh(np.asarray(jax.devices()).reshape(1, 2, 1, 2), sharding.AXES)
-params = quant.mark_fp8(init_params(cfg, seed=0), quant.Recipe())
+params = recipes.mark_fp8(init_params(cfg, seed=0), recipes.Recipe())
 toks = jax.random.randint(jax.random.key(1), (4, 16), 0, cfg.vocab_size)
 fwd = lambda lcfg: jax.jit(lambda p, t: forward(p, t, cfg, lcfg)[0])
 one = np.asarray(fwd(ops.LinearConfig(backend="pallas"))(params, toks), np.float32)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8jax import hf, ops, quant
+from fp8jax import backends, hf, ops, recipes
 from fp8jax.model import llama, moe, schema
 from fp8jax.model.config import ModelConfig
 
@@ -24,8 +24,8 @@ E, K_TOP, D, F_MOE, F_DENSE, V, L = 8, 2, 256, 128, 256, 192, 3
 CFG = ModelConfig(vocab_size=V, dim=D, n_layers=L, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=F_DENSE,
                   norm_eps=1e-6, rope_theta=1e6, qk_norm=True, n_experts=E, n_experts_per_tok=K_TOP,
                   moe_ffn_dim=F_MOE, norm_topk_prob=True, mlp_only_layers=(1,))
-BF16 = quant.Recipe(mode="bf16", gemm_backend="xla")
-FP8 = quant.Recipe(mode="fp8", gemm_backend="xla")
+BF16 = recipes.Recipe(mode="bf16", gemm_backend="xla")
+FP8 = recipes.Recipe(mode="fp8", gemm_backend="xla")
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_schema_of_a_moe_config():
   shapes = schema.param_shapes(CFG)
   assert [("router" in s, "w_gate" in s) for s in shapes["layers"]] == [(True, False), (False, True), (True, False)]
   assert shapes["layers"][0]["expert_gate"] == (E, F_MOE, D) and shapes["layers"][0]["expert_down"] == (E, D, F_MOE)
-  assert "router" not in quant.LINEAR_NAMES and {"expert_gate", "expert_up", "expert_down"} <= set(quant.LINEAR_NAMES)
+  assert "router" not in recipes.LINEAR_NAMES and {"expert_gate", "expert_up", "expert_down"} <= set(recipes.LINEAR_NAMES)
   dense = 2 * V * D + D
   attn = 2 * D * 256 + 2 * D * 128 + 2 * 64 + 2 * D
   expect = dense + L * attn + 2 * (E * D + 3 * E * F_MOE * D) + 3 * D * F_DENSE
@@ -109,20 +109,20 @@ def test_fp8_close_to_bf16_and_one_engine(params):
   the FP8 model give the same bits."""
   toks = _tokens(seed=1)
   lb, _ = _logits(params, toks)
-  l8, _ = _logits(quant.mark_fp8(params, FP8), toks)
-  lq, _ = _logits(quant.quantize_params(params, FP8), toks)
+  l8, _ = _logits(recipes.mark_fp8(params, FP8), toks)
+  lq, _ = _logits(recipes.quantize_params(params, FP8), toks)
   np.testing.assert_array_equal(np.asarray(l8), np.asarray(lq))
   lb_c = np.asarray(lb) - np.asarray(lb).mean(-1, keepdims=True)
   l8_c = np.asarray(l8) - np.asarray(l8).mean(-1, keepdims=True)
   rel = np.linalg.norm(l8_c - lb_c) / np.linalg.norm(lb_c)
   assert 0 < rel < 0.15, rel  # the dense model's bound (tests/test_model.py) plus routing flips
-  assert isinstance(quant.quantize_params(params, FP8)["layers"][0]["router"], jax.Array)  # router kept BF16
+  assert isinstance(recipes.quantize_params(params, FP8)["layers"][0]["router"], jax.Array)  # router kept BF16
 
 
 def test_rows_do_not_depend_on_the_rest_of_the_batch(params):
   """Sorting tokens by expert mixes the batch; a sequence's outputs must not depend on its neighbours (the sampler
   decodes rows in batches that the trainer never sees)."""
-  qp = quant.quantize_params(params, FP8)
+  qp = recipes.quantize_params(params, FP8)
   toks = _tokens(b=32, t=16, seed=2)  # 512 tokens: as many as training routes (XLA:CPU compiles per row count)
   full, _ = _logits(qp, toks)
   alone, _ = _logits(qp, toks[2:3])
@@ -153,7 +153,7 @@ def test_gradients_reach_router_and_experts(params):
     nll = -jnp.mean(jnp.take_along_axis(lp, toks[:, 1:, None], axis=-1))
     return nll + 0.01 * moe.load_balancing_loss(list(aux.router), E)
 
-  g = fp8jax.jit(jax.grad(loss))(quant.mark_fp8(params, FP8))
+  g = fp8jax.jit(jax.grad(loss))(recipes.mark_fp8(params, FP8))
   g0 = g["layers"][0]
   for key in ("router", "expert_gate", "expert_up", "expert_down", "wq"):
     arr = np.asarray(getattr(g0[key], "w", g0[key]))
@@ -184,7 +184,7 @@ def _sampler_vs_trainer(params, rec, kv):
   seq, mask, old = ro.sequences()
   train = fp8jax.jit(lambda p, t, sc: llama.next_token_logprobs(p, t, CFG, temperature=sp.temperature,
                                                                 kv_scales=sc)[0])
-  lp = train(quant.mark_fp8(params, rec), jnp.asarray(seq), scales)
+  lp = train(recipes.mark_fp8(params, rec), jnp.asarray(seq), scales)
   return grpo.mismatch_metrics(jnp.asarray(old), lp, jnp.asarray(mask))
 
 
@@ -200,13 +200,13 @@ def test_sampler_logprobs_equal_trainer_logprobs(params, recipe, kv):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.skipif(not backends.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
 def test_gpu_moe_on_the_kernels(params):
   """The MoE model on the Hopper kernels (grouped FP8 GEMM on the tile layout, whose unused tiles hold unspecified
   rows; "auto" resolves every backend to the kernels): a MoE block near the XLA GEMMs' on the tokens routed alike,
   finite logits and expert gradients."""
   toks = _tokens(seed=4)
-  qp = quant.quantize_params(params, FP8)
+  qp = recipes.quantize_params(params, FP8)
   # The kernels accumulate in another order than XLA's GEMMs, so a BF16 router logit can round the other way and flip
   # a near-tie; downstream of a flip the token's output is another expert mix (seen on the H200: the whole-model
   # logits 0.064 apart, and only 0.23 of positions with no flip in their causal past). So the values are compared per
@@ -230,14 +230,14 @@ def test_gpu_moe_on_the_kernels(params):
     lp = jax.nn.log_softmax(llama.logits(p, h, CFG)[:, :-1].astype(jnp.float32), axis=-1)
     return -jnp.mean(jnp.take_along_axis(lp, toks[:, 1:, None], axis=-1))
 
-  g = fp8jax.jit(jax.grad(loss))(quant.mark_fp8(params, FP8))["layers"][0]
+  g = fp8jax.jit(jax.grad(loss))(recipes.mark_fp8(params, FP8))["layers"][0]
   for key in ("expert_gate", "expert_up", "expert_down"):
     arr = np.asarray(g[key].w)
     assert np.all(np.isfinite(arr)) and np.abs(arr).max() > 0, key
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.skipif(not backends.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.xfail(strict=True, reason="H200, 2026-12-02: max |dlp| 9.5e-7 (token_mult_prob_error 1.0000002). Not MoE: "
                    "dense models are 1 ulp off alike when the decode step runs few rows (8 slots: off with or without "
                    "refills; 32 slots: exact, 2026-12-03); here 4 slots. Exact on CPU (docs/benchmarks.md)")

@@ -25,12 +25,13 @@ sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests")
 import dataclasses
 import fp8jax, jax, jax.numpy as jnp, numpy as np
 from fp8jax import ops, quant, sharding
+from fp8jax import recipes
 from fp8jax.model import ModelConfig, init_params, moe
 
 cfg = ModelConfig(vocab_size=192, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256,
                   qk_norm=True, n_experts=8, n_experts_per_tok=2, moe_ffn_dim=128, norm_topk_prob=True)
-rec = quant.Recipe(mode="fp8", gemm_backend="xla")
-layer = quant.mark_fp8({{"layers": [init_params(cfg, seed=0)["layers"][0]]}}, rec)["layers"][0]
+rec = recipes.Recipe(mode="fp8", gemm_backend="xla")
+layer = recipes.mark_fp8({{"layers": [init_params(cfg, seed=0)["layers"][0]]}}, rec)["layers"][0]
 devs = np.asarray(jax.devices())
 
 def run(mesh, x, c=cfg):

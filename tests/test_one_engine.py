@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from fp8jax import one_engine, ops
+from fp8jax import backends, one_engine
 
 CFG = one_engine.model_config(256, 2, 512)
 PROMPTS = [np.random.default_rng(i).integers(0, 512, size=8 + 5 * i).tolist() for i in range(4)]
@@ -21,7 +21,7 @@ PROMPTS = [np.random.default_rng(i).integers(0, 512, size=8 + 5 * i).tolist() fo
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8", "fp8+kv"])
 def test_blocks_agree_cpu(recipe):
-  rows = one_engine.block_divergence(CFG, one_engine.recipes()[recipe], rows=4, length=24)
+  rows = one_engine.block_divergence(CFG, one_engine.promised_recipes()[recipe], rows=4, length=24)
   names = [r["tensor"] for r in rows]
   # every block of both layers is compared, in call order (each norm with the residual stream it adds up and
   # normalizes: the embeddings first), and the head last
@@ -32,7 +32,7 @@ def test_blocks_agree_cpu(recipe):
 
 
 def test_sampler_vs_trainer_cpu():
-  m = one_engine.sampler_vs_trainer(CFG, one_engine.recipes()["fp8+kv"], PROMPTS, slots=4, samples=2, max_new=8)
+  m = one_engine.sampler_vs_trainer(CFG, one_engine.promised_recipes()["fp8+kv"], PROMPTS, slots=4, samples=2, max_new=8)
   assert m["tokens"] == len(PROMPTS) * 2 * 8
   assert m["token_mult_prob_error"] == 1.0 and m["bitwise_equal_frac"] == 1.0, m
 
@@ -55,55 +55,55 @@ def test_importing_fp8jax_sets_the_one_engine_xla_flags():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 GPU (the Pallas kernels)")
+@pytest.mark.skipif(not backends.hopper_available(), reason="needs an sm_90 GPU (the Pallas kernels)")
 @pytest.mark.parametrize("recipe,quantize_lm_head", [("fp8", False), ("fp8", True), ("fp8+kv", False),
                                                      ("fp8+kv", True), ("bf16", False)])
 def test_blocks_bitwise_gpu(recipe, quantize_lm_head):
   """Every block's decode rows, and the head's log-prob, are bitwise the training rows."""
   rows = one_engine.block_divergence(one_engine.model_config(1024, 2, 32768),
-                                     one_engine.recipes(quantize_lm_head)[recipe], rows=64, length=64)
+                                     one_engine.promised_recipes(quantize_lm_head)[recipe], rows=64, length=64)
   bad = [r for r in rows if r["rows_bitwise"] < 1]
   assert not bad, bad
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 GPU (the Pallas kernels)")
+@pytest.mark.skipif(not backends.hopper_available(), reason="needs an sm_90 GPU (the Pallas kernels)")
 @pytest.mark.parametrize("recipe", ["bf16", "fp8", "fp8+kv"])
 def test_sampler_vs_trainer_exact_gpu(recipe):
   """The issue's promise at a small workload: token_mult_prob_error exactly 1.0, every log-prob bitwise."""
   cfg = one_engine.model_config(1024, 2, 32768)
   prompts = [np.random.default_rng(i).integers(0, 32768, size=8 + 3 * i).tolist() for i in range(16)]
-  m = one_engine.sampler_vs_trainer(cfg, one_engine.recipes()[recipe], prompts, slots=32, samples=2, max_new=32)
+  m = one_engine.sampler_vs_trainer(cfg, one_engine.promised_recipes()[recipe], prompts, slots=32, samples=2, max_new=32)
   assert m["token_mult_prob_error"] == 1.0 and m["bitwise_equal_frac"] == 1.0, m
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 GPU (the Pallas kernels)")
+@pytest.mark.skipif(not backends.hopper_available(), reason="needs an sm_90 GPU (the Pallas kernels)")
 def test_sampler_vs_trainer_exact_gpu_with_a_remat_trainer():
   """The recipes' trainer rematerializes its layers, which ends each layer with the residual add (XLA) where the
   sampler adds inside the next norm's kernel: still every log-prob bitwise (FP8 + FP8 KV)."""
   import dataclasses  # noqa: PLC0415
   cfg = dataclasses.replace(one_engine.model_config(1024, 2, 32768), remat=True)
   prompts = [np.random.default_rng(i).integers(0, 32768, size=8 + 3 * i).tolist() for i in range(16)]
-  m = one_engine.sampler_vs_trainer(cfg, one_engine.recipes()["fp8+kv"], prompts, slots=32, samples=2, max_new=32)
+  m = one_engine.sampler_vs_trainer(cfg, one_engine.promised_recipes()["fp8+kv"], prompts, slots=32, samples=2, max_new=32)
   assert m["token_mult_prob_error"] == 1.0 and m["bitwise_equal_frac"] == 1.0, m
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 GPU (the Pallas kernels)")
+@pytest.mark.skipif(not backends.hopper_available(), reason="needs an sm_90 GPU (the Pallas kernels)")
 @pytest.mark.parametrize("recipe", ["bf16", "fp8+kv"])
 def test_sampler_vs_trainer_exact_gpu_shared_prompt_pages(recipe):
   """Prompts of 130-500 tokens (1-3 whole pages each, shared by 6 samples): decode attention reads them in the
   shared-prefix pass, 6 slots' rows in one tile, and resumes per slot; still every log-prob bitwise the trainer's."""
   cfg = one_engine.model_config(1024, 2, 32768)
   prompts = [np.random.default_rng(i).integers(0, 32768, size=130 + 37 * i).tolist() for i in range(10)]
-  m = one_engine.sampler_vs_trainer(cfg, one_engine.recipes()[recipe], prompts, slots=32, samples=6, max_new=24,
+  m = one_engine.sampler_vs_trainer(cfg, one_engine.promised_recipes()[recipe], prompts, slots=32, samples=6, max_new=24,
                                     bucket=512)
   assert m["token_mult_prob_error"] == 1.0 and m["bitwise_equal_frac"] == 1.0, m
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 GPU (the Pallas kernels)")
+@pytest.mark.skipif(not backends.hopper_available(), reason="needs an sm_90 GPU (the Pallas kernels)")
 @pytest.mark.parametrize("recipe", ["bf16", "fp8+kv"])
 def test_sampler_vs_trainer_exact_gpu_llama_vocab(recipe):
   """At Llama-3.1-8B width and vocabulary (15 full head chunks and a 5376-wide one) with 128 slots: where XLA's
@@ -111,5 +111,5 @@ def test_sampler_vs_trainer_exact_gpu_llama_vocab(recipe):
   ulp off, H200 2026-12-02) until fp8jax.COMPILER_OPTIONS switched it off."""
   cfg = one_engine.model_config(4096, 1, 128256)
   prompts = [np.random.default_rng(i).integers(0, 128256, size=6 + i % 9).tolist() for i in range(32)]
-  m = one_engine.sampler_vs_trainer(cfg, one_engine.recipes()[recipe], prompts, slots=128, samples=4, max_new=16)
+  m = one_engine.sampler_vs_trainer(cfg, one_engine.promised_recipes()[recipe], prompts, slots=128, samples=4, max_new=16)
   assert m["token_mult_prob_error"] == 1.0 and m["bitwise_equal_frac"] == 1.0, m

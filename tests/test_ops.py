@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from fp8jax import ops, quant
+
+from fp8jax import backends
 from pallas_kernels import fp8_gemm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -205,13 +207,13 @@ def test_bf16_backend_choice_is_visible_and_pallas_refuses_without_gpu():
   """BF16 mode follows fp8.gemm_backend through the same switch, listed as bf16:requested->chosen."""
   x, w = jnp.ones((2, 128)), jnp.ones((128, 128))
   ops.linear(x, w)
-  assert "bf16:auto->xla" in ops.backend_report()
+  assert "bf16:auto->xla" in backends.backend_report()
   with pytest.raises(RuntimeError, match=r"fp8.gemm_backend='pallas' cannot run here: no sm_90 GPU"):
     ops.linear(x, w, ops.LinearConfig(backend="pallas"))
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ops.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.skipif(not backends.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.parametrize("out_dtype,k,n", [
     ("float32", 4096, 32768),
     ("bfloat16", 4096, 6144),
@@ -225,7 +227,7 @@ def test_gpu_bf16_linear_runs_the_kernel(out_dtype, k, n):
   g = fp8jax.jit(lambda x, w: ops.linear(x, w, cfg))  # w an argument: a closed-over w is an executable constant
   f = lambda x: g(x, w)
   full = np.asarray(f(x))
-  assert "bf16:auto->pallas" in ops.backend_report()
+  assert "bf16:auto->pallas" in backends.backend_report()
   for lo, hi in ((0, 1), (1000, 1007), (1984, 2048)):
     np.testing.assert_array_equal(np.asarray(f(x[lo:hi])), full[lo:hi], err_msg=f"rows {lo}:{hi}")
   if k % 128 == 0 and n % 128 == 0:
@@ -241,7 +243,7 @@ def test_gpu_bf16_linear_runs_the_kernel(out_dtype, k, n):
 @cpu_only
 def test_backend_choice_is_visible_and_pallas_refuses_without_gpu():
   assert ops.resolve_backend("auto") == "xla"
-  assert "auto->xla" in ops.backend_report()
+  assert "auto->xla" in backends.backend_report()
   with pytest.raises(RuntimeError, match="gemm_backend='pallas' cannot run here"):
     ops.resolve_backend("pallas")
 
@@ -249,14 +251,14 @@ def test_backend_choice_is_visible_and_pallas_refuses_without_gpu():
 def test_kernel_fallbacks_count_reasons_where_a_gpu_was_there(monkeypatch):
   """A reference fallback on a machine with the kernels' GPU (an operand they do not take) counts; 'auto' choosing the
   reference for want of a GPU, a requested 'xla' and the kernels themselves do not; a reason counts once."""
-  monkeypatch.setattr(ops, "_REPORT", {})
+  monkeypatch.setattr(backends, "_REPORT", {})
   probes = [(False, "no CUDA GPU"), (True, "CUDA GPU"), (False, "fallback to the reference: head_dim 96"),
             (False, "fallback to the reference: head_dim 96"), (False, "pallas kernels unavailable (ImportError)")]
   for ok, why in probes:
-    ops.choose_backend("auto", what="attention", config_key="model.attn_backend", probe=lambda: (ok, why),
+    backends.choose_backend("auto", what="attention", config_key="model.attn_backend", probe=lambda: (ok, why),
                        prefix="attention:")
-  ops.choose_backend("xla", what="attention", config_key="model.attn_backend", probe=None, prefix="attention:")
-  assert ops.kernel_fallbacks() == 2, ops.backend_report()
+  backends.choose_backend("xla", what="attention", config_key="model.attn_backend", probe=None, prefix="attention:")
+  assert backends.kernel_fallbacks() == 2, backends.backend_report()
 
 
 def test_shape_errors_name_shapes():
@@ -431,7 +433,7 @@ def test_tensor_parallel_linear_on_fake_devices():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (ops.hopper_available() and len(jax.devices()) >= 2), reason="needs >= 2 Hopper GPUs")
+@pytest.mark.skipif(not (backends.hopper_available() and len(jax.devices()) >= 2), reason="needs >= 2 Hopper GPUs")
 def test_gpu_tensor_parallel_linear():
   _check_tensor_parallel(fake=False)
 
@@ -467,7 +469,7 @@ def test_placement_rows_that_divide_and_aligned_tensor_shards(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (ops.hopper_available() and len(jax.devices()) >= 2), reason="needs >= 2 Hopper GPUs")
+@pytest.mark.skipif(not (backends.hopper_available() and len(jax.devices()) >= 2), reason="needs >= 2 Hopper GPUs")
 def test_gpu_pallas_path_per_device_on_real_gpus():
   """The per-device path on real GPUs with the real Hopper kernels: rows over an fsdp axis of all local GPUs."""
   _check_per_device(fake=False)

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp8jax import quant
+from fp8jax import recipes
 
 SETTINGS = settings(max_examples=40, deadline=None)
 
@@ -151,49 +152,49 @@ def test_bad_shapes_name_the_shape():
 
 
 def _params():
-  layer = {n: jnp.ones((128, 128)) for n in quant.LINEAR_NAMES} | {"attn_norm": jnp.ones(128), "mlp_norm": jnp.ones(128)}
+  layer = {n: jnp.ones((128, 128)) for n in recipes.LINEAR_NAMES} | {"attn_norm": jnp.ones(128), "mlp_norm": jnp.ones(128)}
   return {"embed": jnp.ones((256, 128)), "layers": [dict(layer) for _ in range(4)], "final_norm": jnp.ones(128),
           "lm_head": jnp.ones((256, 128))}
 
 
 def test_quantize_params_recipe_selection():
   p = _params()
-  r = quant.Recipe(keep_first_n=1, keep_last_n=1, keep_patterns=("layers/*/w_down",))
-  qp = quant.quantize_params(p, r)
+  r = recipes.Recipe(keep_first_n=1, keep_last_n=1, keep_patterns=("layers/*/w_down",))
+  qp = recipes.quantize_params(p, r)
   for i, layer in enumerate(qp["layers"]):
     for name, w in layer.items():
-      fp8 = name in quant.LINEAR_NAMES and i in (1, 2) and name != "w_down"
+      fp8 = name in recipes.LINEAR_NAMES and i in (1, 2) and name != "w_down"
       assert isinstance(w, quant.QWeight) == fp8, (i, name)
       if not fp8:
         assert w is p["layers"][i][name]  # kept layers are the master arrays themselves
   for name in ("embed", "lm_head", "final_norm"):
     assert not isinstance(qp[name], quant.QWeight)
   assert not any(isinstance(w, quant.QWeight)
-                 for w in jax.tree.leaves(quant.quantize_params(p, quant.Recipe(mode="bf16")), is_leaf=quant.is_fp8_leaf))
+                 for w in jax.tree.leaves(recipes.quantize_params(p, recipes.Recipe(mode="bf16")), is_leaf=quant.is_fp8_leaf))
 
 
 def test_mark_fp8_wraps_master_weights_and_keeps_quantized_ones():
-  p, r = _params(), quant.Recipe(keep_last_n=1)
-  marked = quant.mark_fp8(p, r)
+  p, r = _params(), recipes.Recipe(keep_last_n=1)
+  marked = recipes.mark_fp8(p, r)
   assert isinstance(marked["layers"][0]["wq"], quant.FP8Weight) and marked["layers"][0]["wq"].w is p["layers"][0]["wq"]
   assert not isinstance(marked["layers"][3]["wq"], quant.FP8Weight)
-  qp = quant.quantize_params(p, r)
-  assert quant.mark_fp8(qp, r)["layers"][0]["wq"] is qp["layers"][0]["wq"]
+  qp = recipes.quantize_params(p, r)
+  assert recipes.mark_fp8(qp, r)["layers"][0]["wq"] is qp["layers"][0]["wq"]
 
 
 def test_recipe_rejects_bad_values():
   with pytest.raises(ValueError, match="fp8.mode"):
-    quant.Recipe(mode="fp4")
+    recipes.Recipe(mode="fp4")
   with pytest.raises(ValueError, match="unknown fp8 config keys"):
-    quant.Recipe.from_config({"mode": "fp8", "kv_cach": "fp8"})
+    recipes.Recipe.from_config({"mode": "fp8", "kv_cach": "fp8"})
 
 
 def test_fp8_rollout_recipe_has_two_sides_and_refuses_one_sided_use():
-  r = quant.Recipe(mode="fp8_rollout", kv_cache="fp8", keep_first_n=1)
-  assert r.sampler_side() == quant.Recipe(mode="fp8", kv_cache="fp8", keep_first_n=1)
-  assert r.trainer_side() == quant.Recipe(mode="bf16", kv_cache="bf16", keep_first_n=1)
-  for one in (quant.Recipe(), quant.Recipe(mode="bf16")):
+  r = recipes.Recipe(mode="fp8_rollout", kv_cache="fp8", keep_first_n=1)
+  assert r.sampler_side() == recipes.Recipe(mode="fp8", kv_cache="fp8", keep_first_n=1)
+  assert r.trainer_side() == recipes.Recipe(mode="bf16", kv_cache="bf16", keep_first_n=1)
+  for one in (recipes.Recipe(), recipes.Recipe(mode="bf16")):
     assert one.sampler_side() is one and one.trainer_side() is one
-  for fn in (quant.quantize_params, quant.mark_fp8):
+  for fn in (recipes.quantize_params, recipes.mark_fp8):
     with pytest.raises(ValueError, match="fp8.mode='fp8_rollout'.*sampler_side"):
       fn(_params(), r)

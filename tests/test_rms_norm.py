@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from fp8jax import ops
+
+from fp8jax import backends
 from fp8jax.model import layers
 from pallas_kernels import rms_norm as kern
 from pallas_kernels.lowering import lower_for_h200
@@ -93,7 +95,7 @@ def test_dispatch_cpu_and_errors():
   x, w = _rows(4, 8, 128)
   np.testing.assert_array_equal(np.asarray(layers.rms_norm(x, w, EPS), np.float32),
                                 np.asarray(kern.rms_norm_reference(x, w, EPS), np.float32))
-  if not ops.gpu_available():
+  if not backends.gpu_available():
     with pytest.raises(RuntimeError, match="model.norm_backend='pallas' cannot run here"):
       layers.rms_norm(x, w, EPS, "pallas")
   with pytest.raises(ValueError, match="norm_backend"):
@@ -107,7 +109,7 @@ def test_dispatch_cpu_and_errors():
 def test_kernel_path_gradient_is_the_reference_gradient(monkeypatch):
   """The model's kernel path (forced here, the kernel in interpret mode): values within one ulp of the reference,
   gradients those of the reference."""
-  monkeypatch.setattr(ops, "gpu_available", lambda: True)
+  monkeypatch.setattr(backends, "gpu_available", lambda: True)
   monkeypatch.setattr(layers, "_norm_kernel", lambda: types.SimpleNamespace(
       rms_norm=functools.partial(kern.rms_norm, interpret=True)))
   x, w = _rows(5, 12, 128, jnp.float32)
@@ -118,7 +120,7 @@ def test_kernel_path_gradient_is_the_reference_gradient(monkeypatch):
   want = jax.grad(lambda x_, w_: jnp.sum(kern.rms_norm_reference(x_, w_, EPS) * g), argnums=(0, 1))(x, w)
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-  assert "norm:pallas->pallas" in ops.backend_report()
+  assert "norm:pallas->pallas" in backends.backend_report()
 
 
 @pytest.mark.parametrize("m", [1, 7, 130])
@@ -149,7 +151,7 @@ def test_add_rms_norm_dispatch_and_kernel_gradient(monkeypatch):
   np.testing.assert_array_equal(np.asarray(y), np.asarray(layers.rms_norm(x + h, w, EPS)))
   s0, y0 = layers.add_rms_norm(x, None, w, EPS)
   assert s0 is x and np.array_equal(np.asarray(y0), np.asarray(layers.rms_norm(x, w, EPS)))
-  monkeypatch.setattr(ops, "gpu_available", lambda: True)
+  monkeypatch.setattr(backends, "gpu_available", lambda: True)
   monkeypatch.setattr(layers, "_norm_kernel", lambda: types.SimpleNamespace(
       rms_norm=functools.partial(kern.rms_norm, interpret=True),
       add_rms_norm=functools.partial(kern.add_rms_norm, interpret=True)))
@@ -175,7 +177,7 @@ def test_lowers_for_cuda(d):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ops.gpu_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not backends.gpu_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("d", [128, 1024, 4096])
 def test_gpu_matches_reference_and_rows_are_batch_invariant(d):
   x, w = _rows(d, 4096, d)
@@ -188,7 +190,7 @@ def test_gpu_matches_reference_and_rows_are_batch_invariant(d):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ops.gpu_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not backends.gpu_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("d", [128, 4096])
 def test_gpu_add_is_the_sum_and_the_norm_of_the_sum_bitwise(d):
   """Compiled: the fused kernel's sum is x + h and its norm rows the norm kernel's rows of that sum, bit for bit, at
@@ -209,14 +211,14 @@ def test_cpu_path_equals_the_reference_and_the_trainers_rows_do_not_follow_the_b
   x, w = _rows(5, 300, 256)
   _close_bf16(jax.jit(kern.rms_norm_invariant, static_argnums=2)(x, w, EPS), kern.rms_norm_reference(x, w, EPS))
   from configs import tiny_fp8  # noqa: PLC0415
-  from fp8jax import kvcache, quant  # noqa: PLC0415
+  from fp8jax import kvcache, recipes  # noqa: PLC0415
   from fp8jax.model import ModelConfig, init_params, llama  # noqa: PLC0415
 
   c = tiny_fp8.get_config()
   cfg = ModelConfig.from_config(c.model)
-  recipe = quant.Recipe.from_config(c.fp8)
+  recipe = recipes.Recipe.from_config(c.fp8)
   lcfg = ops.LinearConfig.from_recipe(recipe)
-  params = quant.mark_fp8(init_params(cfg, seed=0), recipe)
+  params = recipes.mark_fp8(init_params(cfg, seed=0), recipe)
   logp = fp8jax.jit(lambda p, t, kv: llama.next_token_logprobs(p, t, cfg, lcfg, kv_scales=kv)[0])
   for seed, fp8_kv in ((1, True), (2, False)):
     tokens = jax.random.randint(jax.random.key(seed), (128, 32), 0, cfg.vocab_size)

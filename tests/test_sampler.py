@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from fp8jax import kvcache, quant
+from fp8jax import recipes
 from fp8jax import sampler as smp
 from fp8jax.model import llama
 from fp8jax.model.config import ModelConfig
@@ -27,7 +28,7 @@ CFG = ModelConfig(vocab_size=128, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, 
 # margins, and sampled completions still vary.
 INIT_STD = 0.1
 MAX_LEN = 64
-BF16, FP8 = quant.Recipe(mode="bf16"), quant.Recipe()
+BF16, FP8 = recipes.Recipe(mode="bf16"), recipes.Recipe()
 RECIPES = {"bf16": BF16, "fp8": FP8}
 PROMPTS = [[5, 17, 33, 2, 9], [100, 3, 64, 64, 7, 8, 21, 90, 11], list(range(40, 54))]  # ragged: 5, 9, 14
 # greedy / stop / length tests add a 60-token prompt: MAX_LEN leaves it room for 4 of the 12 new tokens
@@ -72,7 +73,7 @@ def _trainer_fn(with_kv_scales: bool, temperature: float):
 def trainer_mismatch(master, recipe, ro: smp.Rollout, temperature, kv_scales=None) -> dict:
   """grpo.mismatch_metrics between the rollout's log-probs and the trainer's forward on ``Rollout.sequences()``."""
   seq, mask, old = ro.sequences()
-  tp = quant.mark_fp8(master, recipe)  # the trainer's params: FP8 layers quantized on the fly (differentiable)
+  tp = recipes.mark_fp8(master, recipe)  # the trainer's params: FP8 layers quantized on the fly (differentiable)
   fn = _trainer_fn(kv_scales is not None, temperature)
   train_lp = fn(tp, jnp.asarray(seq), kv_scales) if kv_scales is not None else fn(tp, jnp.asarray(seq))
   m = grpo.mismatch_metrics(jnp.asarray(old), train_lp, jnp.asarray(mask))

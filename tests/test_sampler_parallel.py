@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from fp8jax import one_engine, ops, sharding
+from fp8jax import backends, one_engine, sharding
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,13 +21,14 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, {repo!r})
 import fp8jax, jax, numpy as np
 from fp8jax import sampler as S, ops, sharding, quant
+from fp8jax import recipes
 from fp8jax.model import llama
 from fp8jax.model.config import ModelConfig
 from configs import tiny_fp8
 
 c = tiny_fp8.get_config()
 cfg = ModelConfig.from_config(c.model)
-recipe = quant.Recipe.from_config(c.fp8)
+recipe = recipes.Recipe.from_config(c.fp8)
 sparams = S.prepare_params(llama.init_params(cfg, seed=0), recipe)
 # 5 prompts of 3-7 tokens: shares of 1 or 2 prompts, the last one padded
 prompts = [[1 + (i * 7 + j) % 60 for j in range(3 + i % 5)] for i in range(5)]
@@ -110,7 +111,7 @@ def test_data_parallel_rollouts_equal_one_device(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (ops.hopper_available() and len(jax.devices()) >= 2), reason="needs >= 2 Hopper GPUs")
+@pytest.mark.skipif(not (backends.hopper_available() and len(jax.devices()) >= 2), reason="needs >= 2 Hopper GPUs")
 @pytest.mark.parametrize("recipe", ["bf16", "fp8+kv"])
 def test_gpu_data_parallel_rollouts_are_the_trainers_on_real_gpus(recipe):
   """Data-parallel rollouts over every local GPU (fsdp axis) with the Hopper kernels: sampler == trainer (on one GPU)
@@ -118,7 +119,7 @@ def test_gpu_data_parallel_rollouts_are_the_trainers_on_real_gpus(recipe):
   cfg = one_engine.model_config(1024, 2, 32768)
   prompts = [np.random.default_rng(i).integers(0, 32768, size=8 + 3 * i).tolist() for i in range(16)]
   mesh = sharding.make_mesh({"fsdp": -1})
-  m = one_engine.sampler_vs_trainer(cfg, one_engine.recipes()[recipe], prompts, slots=32, samples=2, max_new=32,
+  m = one_engine.sampler_vs_trainer(cfg, one_engine.promised_recipes()[recipe], prompts, slots=32, samples=2, max_new=32,
                                     mesh=mesh)
   assert m["rollout_devices"] == len(jax.devices()), m
   assert m["token_mult_prob_error"] == 1.0 and m["bitwise_equal_frac"] == 1.0, m

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from configs import tiny_fp8
-from fp8jax import ops
+from fp8jax import backends
 from fp8jax.rl import source
 from fp8jax.rl import trainer as trainer_lib
 
@@ -98,7 +98,7 @@ def record_weight_forms(monkeypatch, tr):
 
 def test_full_rl_step_and_one_engine_mismatch(tmp_path, monkeypatch, parity_reward):
   # the backend report is the process's: an earlier test in this worker may have recorded a fallback of its own
-  monkeypatch.setattr(ops, "_REPORT", {})
+  monkeypatch.setattr(backends, "_REPORT", {})
   tr = trainer_lib.RLTrainer(small_config(), str(tmp_path))
   tr.warmstart()
   seen = record_weight_forms(monkeypatch, tr)

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from fp8jax.config_utils import dataclass_from_group
-from fp8jax.quant import BLOCK
+from pallas_kernels.core import BLOCK
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8jax import ops, quant
-from pallas_kernels.fp8_gemm import invariant_sum
+from pallas_kernels.core import invariant_sum
 
 # Vocabulary columns per chunk: a multiple of the 128-row weight blocks (so a chunk of a QWeight is whole blocks).
 # At 8 x 4096 training tokens a chunk's FP32 logits are 1 GiB. Fixed: the sampler and the trainer must chunk alike.

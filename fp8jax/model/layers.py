@@ -8,7 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fp8jax import ops, sharding
+from fp8jax import backends, sharding
 from fp8jax.model.config import ModelConfig
 from pallas_kernels import rms_norm as norm_ref
 
@@ -18,7 +18,7 @@ def rms_norm(x, w, eps, backend: str = "auto", mesh=None):
 
   On a CUDA GPU ("auto" / "pallas", config key model.norm_backend) the rows go through the fixed-tile Pallas kernel,
   so that a row's bits do not depend on the number of rows (the sampler's decode rows are the trainer's); its
-  backward is the reference's. Elsewhere, or for widths the kernel does not take (logged, ``ops.backend_report``),
+  backward is the reference's. Elsewhere, or for widths the kernel does not take (logged, ``backends.backend_report``),
   the reference (on CPU with a fixed-order sum, ``rms_norm_invariant``: batch invariant there too). ``mesh``: on a
   multi-device mesh the kernel runs per device (``_per_device``)."""
   if _norm_backend(backend, x) == "pallas":
@@ -63,12 +63,12 @@ def _norm_kernel():
 
 def _norm_backend(requested: str, x) -> str:
   def probe():
-    if not ops.gpu_available():
+    if not backends.gpu_available():
       return False, "no CUDA GPU"
     why = norm_ref.unsupported(x)
     return (True, "CUDA GPU") if why is None else (False, f"fallback to the reference: {why}")
 
-  return ops.choose_backend(requested, what="rms_norm", config_key="model.norm_backend", probe=probe, prefix="norm:")
+  return backends.choose_backend(requested, what="rms_norm", config_key="model.norm_backend", probe=probe, prefix="norm:")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

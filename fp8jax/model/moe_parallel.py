@@ -10,7 +10,7 @@ experts on each:
      "allgather" token dispatcher: at top-k with k >= ep it moves no more bytes than an all-to-all of the k
      assignments, and a token's row travels once, not k times);
   2. **experts**: each device runs its experts on the assignments routed to them through the one-device code
-     (``moe.tile_plan``, ``moe.swiglu_tiles``). The gathered tokens are in the group's global order and the sort by
+     (``experts.tile_plan``, ``experts.swiglu_tiles``). The gathered tokens are in the group's global order and the sort by
      expert is stable, so an expert's tile rows are the rows one device would give it, in the same order: its
      outputs, dgrad rows and (when ``expert`` is the only axis that splits tokens) its weight gradient are bitwise
      one device's. Other token axes add their partial weight gradients (``shard_map``'s psum), as any data
@@ -21,7 +21,7 @@ experts on each:
 
 The backward mirrors it: output cotangents go to the experts' devices (``from_owners``, the transpose of
 ``to_owners``), and each assignment's dgrad row goes back to its token's device (``to_owners`` again), where the k
-slots are added in slot order in FP32 (``moe._sum_slots``), as one device's dispatch backward does.
+slots are added in slot order in FP32 (``experts.sum_slots``), as one device's dispatch backward does.
 
 The return is a ragged exchange (each device sends each other device the rows it computed for that device's
 tokens). On GPU it is one ``lax.ragged_all_to_all``; XLA:CPU has no such op, so on CPU an all-gather of the send
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from fp8jax import ops, sharding
-from fp8jax.model import moe
+from fp8jax.model import experts
 from fp8jax.model.config import ModelConfig
 from pallas_kernels import grouped_gemm as grouped_ref
 
@@ -135,7 +135,7 @@ from_owners.defvjp(lambda rows, plan, native: (from_owners(rows, plan, native), 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _dispatch(x_MxD, row_G, plan: Plan, p: int, k: int, native: bool):
-  """This device's tokens -> the (p, D) tile buffer of its experts over the group's gathered tokens (``moe._dispatch``
+  """This device's tokens -> the (p, D) tile buffer of its experts over the group's gathered tokens (``experts.dispatch``
   over an all-gather). The gradient: each assignment's row back to its token's device, the k added in slot order."""
   x_all = jax.lax.all_gather(x_MxD, AXIS, tiled=True)
   return jnp.take(x_all, grouped_ref.source_rows(row_G, p) // k, axis=0, mode="fill", fill_value=0)
@@ -149,7 +149,7 @@ def _dispatch_bwd(p, k, native, res, ct_PxD):
   row_G, plan, tag = res
   rows = to_owners(jnp.take(ct_PxD, row_G, axis=0, mode="fill", fill_value=0), plan, native)  # (M k, D)
   per_slot = rows.astype(jnp.float32).reshape(-1, k, ct_PxD.shape[1])
-  return moe._sum_slots(per_slot).astype(tag.dtype), None, _no_plan_ct(plan)
+  return experts.sum_slots(per_slot).astype(tag.dtype), None, _no_plan_ct(plan)
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
@@ -158,15 +158,15 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 def _device_rows(x_MxD, experts_Mxk, w, *, n_experts: int, ep: int, lcfg: ops.LinearConfig, native: bool):
   """One device's part (inside ``shard_map``): its tokens' assignments' rows (M k, D)."""
   if ep == 1:  # every expert here, only this device's tokens
-    return moe.local_expert_rows(w, x_MxD, experts_Mxk, n_experts, lcfg)
+    return experts.local_expert_rows(w, x_MxD, experts_Mxk, n_experts, lcfg)
   k = experts_Mxk.shape[1]
   n_local = n_experts // ep
   experts_G = jax.lax.all_gather(experts_Mxk, AXIS, tiled=True).reshape(-1)  # padding: n_experts
   runner_G = jnp.where(experts_G < n_experts, experts_G // n_local, ep).astype(jnp.int32)
   plan = make_plan(runner_G, experts_Mxk.size, ep)
   local_G = jnp.where(runner_G == plan.rank, experts_G - plan.rank * n_local, n_local)
-  row_G, tile_expert, n_rows = moe.tile_plan(local_G, n_local)
-  ys = moe.swiglu_tiles(w, _dispatch(x_MxD, row_G, plan, n_rows, k, native), tile_expert, lcfg)
+  row_G, tile_expert, n_rows = experts.tile_plan(local_G, n_local)
+  ys = experts.swiglu_tiles(w, _dispatch(x_MxD, row_G, plan, n_rows, k, native), tile_expert, lcfg)
   return to_owners(grouped_ref.from_tiles(ys, row_G), plan, native)
 
 

@@ -5,7 +5,7 @@ dimensions is sharded over, its Hugging Face module, whether it is a linear weig
 of ``ops.linear``, selectable by the FP8 recipe) and how it is initialized. From these rows come
 
   * ``param_shapes`` (init, checkpoints, HF import/export): ``model.param_shapes``;
-  * ``LINEAR_NAMES`` (what ``quant.quantize_params`` and the trainer's FP8 forward may quantize);
+  * ``LINEAR_NAMES`` (what ``recipes.quantize_params`` and the trainer's FP8 forward may quantize);
   * ``SHARDING_RULES`` (``fp8jax.sharding``: master weights, optimizer moments and quantized weights alike);
   * ``HF_LAYER_MODULES`` / ``HF_TOP_MODULES`` and ``Param.hf_tensors`` (``fp8jax.hf``: the transformers names,
     ``.weight`` appended; a stacked expert row is one tensor per expert on disk).

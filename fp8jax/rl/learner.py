@@ -34,7 +34,8 @@ import numpy as np
 import optax
 
 import fp8jax
-from fp8jax import kvcache, ops, quant, sampler as sampler_lib, sharding
+from fp8jax import kvcache, ops, recipes, sharding
+from fp8jax import sampler as sampler_lib
 from fp8jax.model import llama, moe, schema
 from fp8jax.model.config import ModelConfig
 from fp8jax.rl import grpo
@@ -150,7 +151,7 @@ class Policy:
   """How the trainer reads a policy: the model, its linear layers' config, the trainer's recipe, the temperature."""
   cfg: ModelConfig
   lcfg: ops.LinearConfig
-  recipe: quant.Recipe
+  recipe: recipes.Recipe
   temperature: float = 1.0
 
   def logprobs(self, params, tokens_BxL, kv_scales=None, router_mask_BxL=None):
@@ -158,7 +159,7 @@ class Policy:
     of ``recipe`` quantized on the fly (``params`` master weights), or already quantized (QWeights, the frozen
     reference: ``mark_fp8`` keeps them). The one place the trainer turns weights into log-probs (the losses, the
     mismatch and reference passes, ``fp8jax.one_engine``)."""
-    return llama.next_token_logprobs(quant.mark_fp8(params, self.recipe), tokens_BxL, self.cfg, self.lcfg,
+    return llama.next_token_logprobs(recipes.mark_fp8(params, self.recipe), tokens_BxL, self.cfg, self.lcfg,
                                      temperature=self.temperature, kv_scales=kv_scales, router_mask_BxT=router_mask_BxL)
 
 
@@ -302,7 +303,7 @@ class Learner:
   supervised warm start, or steps 0.
   """
 
-  def __init__(self, *, cfg: ModelConfig, lcfg: ops.LinearConfig, recipe: quant.Recipe, gc: GRPOConfig,
+  def __init__(self, *, cfg: ModelConfig, lcfg: ops.LinearConfig, recipe: recipes.Recipe, gc: GRPOConfig,
                oc: OptimConfig, mesh, total_steps: int, temperature: float, kv_state: bool, kv_margin: float,
                warmstart=(0, 1, 0.0)):
     self.cfg, self.gc, self.mesh = cfg, gc, mesh

@@ -17,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8jax import quant, sampler as sampler_lib
+from fp8jax import recipes
+from fp8jax import sampler as sampler_lib
 from fp8jax.rl import grpo
 from fp8jax.rl.learner import GRPOConfig
 from fp8jax.rl.source import PromptSource
@@ -40,7 +40,7 @@ class Collected:
 class RolloutWorker:
   """Generates a run's rollouts: its sampler (``fp8jax.sampler.Sampler``), sampling parameters and seeds."""
 
-  def __init__(self, sampler: sampler_lib.Sampler, recipe: quant.Recipe, sp: sampler_lib.SamplingParams, *,
+  def __init__(self, sampler: sampler_lib.Sampler, recipe: recipes.Recipe, sp: sampler_lib.SamplingParams, *,
                seed: int, rollout_seed: int = 0):
     self.sampler, self.recipe, self.sp = sampler, recipe, sp
     self.seed, self.rollout_seed = int(seed), int(rollout_seed)

@@ -9,7 +9,7 @@ Three parts:
       1. refit: ``sampler.prepare_params(master, recipe)`` -> the sampler's weights (one jitted pass);
       2. rollout: G completions per prompt; the sampler's log-probs are the old-policy log-probs (same model
          function, same quantizer, same GEMMs as the trainer). With ``fp8.mode="fp8_rollout"`` (FP8 in generation
-         only) the sampler runs the FP8 recipe and the trainer BF16 (``quant.Recipe.sampler_side`` /
+         only) the sampler runs the FP8 recipe and the trainer BF16 (``recipes.Recipe.sampler_side`` /
          ``trainer_side``), so the two disagree, as two-engine setups do: the mismatch metrics show the gap, and
          ``grpo.recompute_old_logp`` with ``grpo.is_kind`` corrects for it;
       3. reward (host side) -> leave-one-out group advantages (fp8jax.rl.grpo);
@@ -49,7 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8jax import distributed, ops, quant, sampler as sampler_lib, sharding
+from fp8jax import backends, distributed, ops, recipes, sharding
+from fp8jax import sampler as sampler_lib
 from fp8jax.checkpoint import Checkpointer, WorkdirLock
 from fp8jax.config_utils import dataclass_from_group
 from fp8jax.metrics import MetricsWriter, plot
@@ -93,7 +94,7 @@ def validate_config(c) -> None:
   """Checks, before any work starts, the values that would otherwise fail late or be silently ignored.
 
   Each error names the config key. (Group-local checks live in the groups' dataclasses: GRPOConfig, ModelConfig,
-  quant.Recipe, SamplerConfig.)
+  recipes.Recipe, SamplerConfig.)
   """
   def need(ok, key, why):
     if not ok:
@@ -138,7 +139,7 @@ def _model_config(config) -> ModelConfig:
                              norm_backend=config.model.get("norm_backend", "auto"))
 
 
-def _sampler_config(config, sample_recipe: quant.Recipe) -> sampler_lib.SamplerConfig:
+def _sampler_config(config, sample_recipe: recipes.Recipe) -> sampler_lib.SamplerConfig:
   r, defaults = config.rollout, sampler_lib.SamplerConfig
   return sampler_lib.SamplerConfig(
       slots=r.slots, max_len=r.max_len, prompt_buckets=tuple(r.prompt_buckets), kv_cache=sample_recipe.kv_cache,
@@ -148,7 +149,7 @@ def _sampler_config(config, sample_recipe: quant.Recipe) -> sampler_lib.SamplerC
       data_parallel=r.get("data_parallel", defaults.data_parallel))
 
 
-def _learner(config, cfg: ModelConfig, lcfg, train_recipe: quant.Recipe, mesh, *, kv_state: bool) -> Learner:
+def _learner(config, cfg: ModelConfig, lcfg, train_recipe: recipes.Recipe, mesh, *, kv_state: bool) -> Learner:
   ws = config.warmstart
   return Learner(cfg=cfg, lcfg=lcfg, recipe=train_recipe, gc=dataclass_from_group(GRPOConfig, config.grpo, "grpo"),
                  oc=dataclass_from_group(OptimConfig, config.optim, "optim"), mesh=mesh,
@@ -157,7 +158,7 @@ def _learner(config, cfg: ModelConfig, lcfg, train_recipe: quant.Recipe, mesh, *
                  warmstart=(int(ws.steps), int(ws.batch), float(ws.lr)))
 
 
-def _memory_plan(config, learner: Learner, sampler, sample_recipe: quant.Recipe) -> memory.MemoryPlan:
+def _memory_plan(config, learner: Learner, sampler, sample_recipe: recipes.Recipe) -> memory.MemoryPlan:
   r, gc = config.rollout, learner.gc
   return memory.plan(learner, sampler, sample_recipe, prompts=gc.num_prompts, samples=gc.num_generations,
                      prompt_len=min(max(r.prompt_buckets), r.max_len), max_new_tokens=r.max_new_tokens,
@@ -169,7 +170,7 @@ def memory_plan(config, devices=None) -> memory.MemoryPlan:
   (``fp8jax.rl.memory``; ``scripts/plan_memory.py`` prints it)."""
   validate_config(config)
   cfg = _model_config(config)
-  recipe = quant.Recipe.from_config(config.fp8)
+  recipe = recipes.Recipe.from_config(config.fp8)
   sample_recipe = recipe.sampler_side()
   mesh = sharding.make_mesh(config.mesh, devices)
   lcfg = ops.LinearConfig.from_recipe(recipe, mesh=mesh)
@@ -200,9 +201,9 @@ class RLTrainer:
     self.workdir = workdir or config.workdir
     hf_dir = config.checkpoint.hf_dir
     self.cfg = _model_config(config)
-    self.recipe = quant.Recipe.from_config(config.fp8)
+    self.recipe = recipes.Recipe.from_config(config.fp8)
     # The recipe each engine runs: the same one for "fp8" and "bf16" (one engine); for "fp8_rollout" FP8 weights
-    # (and the FP8 KV cache if set) in the sampler and BF16 in the trainer (quant.Recipe).
+    # (and the FP8 KV cache if set) in the sampler and BF16 in the trainer (recipes.Recipe).
     sample_recipe, train_recipe = self.recipe.sampler_side(), self.recipe.trainer_side()
     r = config.rollout
     self.task = make_source(config, self.cfg.vocab_size)
@@ -337,7 +338,7 @@ class RLTrainer:
     host["mean_occupancy"] = col.stats.get("mean_occupancy", 0.0) / max(len(col.parts), 1)
     host["occupancy_bound"] = col.stats.get("occupancy_bound", 0.0) / max(len(col.parts), 1)  # what lengths allow
     host["rollout_devices"] = self.worker.sampler.rollout_devices()  # devices generating their own share
-    host["kernel_fallbacks"] = ops.kernel_fallbacks()  # ops that ran the reference where a kernel was expected
+    host["kernel_fallbacks"] = backends.kernel_fallbacks()  # ops that ran the reference where a kernel was expected
     return Launched(step, host, dev, minibatches, lrs, n_adv, t_start, t_dispatch)
 
   def finish(self, launched: Launched) -> dict:
