@@ -37,13 +37,6 @@ def _kernels():
   return attention_triton
 
 
-def tuning():
-  """The kernels' settings that ``attend`` runs with: ``attention_triton.TuningConfig``'s defaults. No setting
-  changes a result (speed only), so benchmarks substitute this function to time another one in the same process
-  (``scripts/bench_rollout.py``'s *_walk configs)."""
-  return _kernels().TuningConfig()
-
-
 _gpu_available = backends.gpu_available
 
 
@@ -165,7 +158,7 @@ def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT=None, *, k_scale=None,
                                    kv_codes=codes)[0]
   ref.check_operands(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, pos, page_table, ref.BLOCK_KV)
   kern = _kernels()
-  cfg = tuning()
+  cfg = kern.TuningConfig()
   if positions_BxT is None:
     fn = lambda q, k, v, qs, s: _flash_train(q, k, v, qs, s, cfg, codes)  # noqa: E731
     return _per_device(fn, mesh, q_BxTxHxD, k_BxSxKxD, 3)(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, qk_scale, vs)

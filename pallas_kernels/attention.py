@@ -29,7 +29,7 @@ its position and the keys it sees):
 E4M3 codes (the FP8 KV recipe) take FP16 dot operands: the codes are exact in FP16, Q is clipped to +-65504 and
 rounded to FP16 (exact for BF16 Q in FP16's normal range), P rounds to FP16 (3 more bits than BF16 in [2^-14, 1]).
 Why: on the GPU, E4M3 -> FP16 is one conversion per pair, E4M3 -> BF16 goes through FP32; the FP8 decode tile is
-bound by that upcast, and FP16 operands run it 1.18x faster (docs/benchmarks.md, "FP16 operands").
+bound by that upcast, and FP16 operands run it 1.18x faster (docs/history.md, 2026-12-03).
 The GPU kernels evaluate exp2(s - m0) as 2**fma(q . k, qk_scale, -m0) with an approximate EX2 (flush to zero
 below 2**-126), take sum_j in fixed point (each term rounded to a multiple of 2**-22, added as integers: exact, so
 in no particular order; within ~1e-6 of the FP32 sum) and, for E4M3 codes, q . k as the sum of two half-D dots

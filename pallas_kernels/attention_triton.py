@@ -8,10 +8,7 @@ update of the contract. Two entry points feed it:
   (B, H, T / block_q); the forward also writes the row's log-sum-exp for the backward pass;
 * ``attention_heads``: rows are the G query heads of one key/value head at one position (decode: one new token per
   slot over the slot's cache), zero-padded to block_q rows in registers (read from and stored to the (B, H, D)
-  layout directly, the padding rows masked); grid (B, K, ceil(G / block_q)); or, with
-  ``TuningConfig.decode_slots`` = n, grid (B / n, K), each program walking n slots' key blocks in one loop
-  (``_walk_kernel``: the same tile and updates per row, so the same bits); with shared prompt blocks and
-  ``TuningConfig.prefix_walk``, one pass whose tiles hold several sequences' heads (``_prefix_walk_kernel``).
+  layout directly, the padding rows masked); grid (B, K, ceil(G / block_q)).
 Both compile the same body, and a row's result does not depend on the tile it sits in: the tensor-core dots give
 each element the same bits in every tile shape (wgmma tiles of 64 / 128 rows, mma.sync tiles of 16: measured by
 ``scripts/check_tile_bits.py`` for 16-bit operands in their natural k order, which is why the FP8 cache is held in
@@ -41,7 +38,7 @@ that see it (no atomics, no per-head dK copies), another per query tile accumula
 Why the Triton backend of Pallas: one kernel body must serve three callers bit for bit, run in interpret mode on CPU
 (so CI checks this exact body against the reference) and read FP8 or BF16 keys; Triton lowers the dynamic,
 data-dependent loop bounds (per-slot lengths) and masked tiles directly. The Hopper-specific Mosaic GPU version
-(warp-specialized, TMA, wgmma pipelining as in FlashAttention-3) is the next step for speed; docs/benchmarks.md has the
+(warp-specialized, TMA, wgmma pipelining as in FlashAttention-3) is the next step for speed; docs/performance.md has the
 measured figures of this one.
 """
 
@@ -87,8 +84,6 @@ class TuningConfig:
   decode_num_stages: int = 3  # FP8 K/V (2 before the carriers' one-instruction conversion; 3 is faster since)
   decode_num_stages_bf16: int = 3
   decode_num_stages_natural_fp8: int = 2  # the 64-row tile over natural-order codes (3: 365 vs 280 us per layer)
-  decode_slots: int | None = None  # None: one program per (slot, KV head); n: one walks n slots (``_walk_kernel``)
-  prefix_walk: bool = False  # shared prefix, 16-bit K/V refs: one pass, prefix tiles walk their sequences' own blocks
   prefix_num_stages: int = 2  # the shared-prefix pass (its 64-row tile: 3 stages leave one program per SM)
   bwd_block_q: int = 64
   bwd_block_kv: int = 64
@@ -106,8 +101,6 @@ class TuningConfig:
     for name in ("num_warps", "decode_num_warps", "prefix_num_warps", "bwd_num_warps"):
       if getattr(self, name) not in (1, 2, 4, 8):
         raise ValueError(f"TuningConfig.{name} must be 1, 2, 4 or 8, got {getattr(self, name)}")
-    if self.decode_slots is not None and self.decode_slots not in (1, 2, 4, 8, 16, 32):
-      raise ValueError(f"TuningConfig.decode_slots must be None or 1, 2, 4, 8, 16 or 32, got {self.decode_slots}")
 
 
 # Sequences per shared-prefix tile by default: 4 (16 rows at G = 4) ran 2-7% faster than 16 (64 rows) at rollout
@@ -171,17 +164,15 @@ def _exp2_scaled(s, c, t, compiled: bool):
   return _asm(_FMA_EX2, s, c, -t) if compiled else jnp.exp2(s * c - t)
 
 
-def _update(carry, q, kb, vb, start, key, pos, last, qk_scale, *, masked: bool, compiled: bool,
-            v_zeroed: bool = False):
+def _update(carry, q, kb, vb, start, key, pos, last, qk_scale, *, masked: bool, compiled: bool):
   """One key block of the contract's online softmax for a tile of rows (exact whether or not ``masked``, when
-  every key of the block is visible to every row: the masks then select nothing). ``v_zeroed``: the V rows of keys
-  past ``last`` came as zeros already (``_load_kv``'s predicated load), so the masked update selects none.
+  every key of the block is visible to every row: the masks then select nothing).
 
   The scores' scale enters where the contract puts it, folded into the exponent's FMA: the row max is taken over
   the raw dots and scaled once (the same value: rounding is monotone and qk_scale > 0), and P = 2**(raw * qk_scale
   - m0) rounds the exponent's argument once instead of twice."""
   m, l, acc = carry
-  if masked and not v_zeroed:  # keys past the tile's last row (stale cache rows, padding) enter only as zeros
+  if masked:  # keys past the tile's last row (stale cache rows, padding) enter only as zeros
     vb = tuple(jnp.where((key <= last)[:, None], x, jnp.zeros((), x.dtype)) for x in vb)
   s = functools.reduce(jnp.add, (_dot_t(a, b) for a, b in zip(q, kb)))  # over the head-dim parts (_load_block)
   if masked:
@@ -222,7 +213,7 @@ def _row_sum(p):
   a row's keys in one warp; a 16-row mma.sync tile splits them over four warps and adds the warps' partial sums),
   so the same row would round differently in a decode tile and a training tile. Integer addition is exact, so
   every order gives the same bits: the row sum is layout-free by construction. (A dot with a ones block, also
-  layout-free on the tensor cores, cost the 128-row training tile 30% of its speed: docs/benchmarks.md.) The
+  layout-free on the tensor cores, cost the 128-row training tile 30% of its speed: docs/history.md.) The
   integers are the bits of p + 3.0 summed with two's-complement wrap-around, minus n times 3.0's bits: exact, as the
   true sum (<= n * 2**22 < 2**31 for n <= 256) fits. Accuracy: each term is within 2**-23 of p, so the block's sum is
   within n * 2**-23 (rms ~sqrt(n / 12) * 2**-22: 8e-7 at 128) of the exact one, against a row's l >= 1 (its max's
@@ -290,41 +281,18 @@ def _load_block(k_ref, v_ref, b, pages, j, kvh, kv_dtype, compiled: bool):
   Why halves: where the dots run as mma.sync (the decode tile's 16 rows), Triton lays out an operand converted from
   an 8-bit load with four consecutive k values per thread (kWidth 4), which permutes k inside each 16-wide MMA step,
   and the tensor core's sum inside a step depends on that order: decode rows over E4M3 codes then differ from the
-  training rows (measured, docs/benchmarks.md). The FP8 cache therefore holds its codes pair-ordered and is read as
+  training rows (measured, docs/history.md). The FP8 cache therefore holds its codes pair-ordered and is read as
   uint16 carriers (``_unpack_carriers``), which gives each half 16-bit lanes; the other code forms read their halves
   as they are. The dots over halves are the codes' dots in every tile (training, prefill, decode). BF16 K/V need no
   split (kWidth 2 already): one dot over the whole head dim, which keeps the 128-row training tile's registers."""
   start = pl.multiple_of(j * BLOCK_KV, BLOCK_KV)
-  page = None if pages is None else jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, pages.shape, 0) == j, pages, 0))
-  return start, *_load_kv(k_ref, v_ref, _block_index(b, page, start), start, kvh, kv_dtype, compiled)
-
-
-def _block_index(b, page, start):
-  """The leading indices of a key block: rows start .. start + BLOCK_KV - 1 of sequence b's dense cache, or the
-  whole page ``page`` of a pool (``page`` None: dense)."""
-  return (b, pl.ds(start, BLOCK_KV)) if page is None else (page, slice(None))
-
-
-def _load_kv(k_ref, v_ref, idx, start, kvh, kv_dtype, compiled: bool, v_last=None):
-  """(K parts, V parts) of the key block at ``idx`` (``_block_index``, first key ``start``), as ``_load_block``
-  describes. ``v_last`` (16-bit refs only): the V rows of keys past it are loaded as zeros by a predicated load (no
-  select after the conversion; the masked update's zeros, ``_update(v_zeroed=True)``), so stale cache rows, even
-  NaN, enter only as zeros. (Not for float8 refs: their predicated load changes the 8-bit operand's register
-  layout and with it the tile's bits, measured on the H200, docs/benchmarks.md.)"""
-  def load(r, cols, width):
-    if v_last is None or r is k_ref:
-      return r[(*idx, kvh, cols)]
-    seen = (start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV, 1), 0)) <= v_last
-    return pltriton.load(r.at[(*idx, kvh, cols)], mask=jnp.broadcast_to(seen, (BLOCK_KV, width)),
-                         other=jnp.zeros((), r.dtype))
-
-  if v_last is not None and jnp.dtype(k_ref.dtype).itemsize != 2:
-    raise ValueError(f"_load_kv: zero-loaded V rows need 16-bit K/V refs, got {k_ref.dtype}")
-  d = k_ref.shape[-1]
+  idx = (b, pl.ds(start, BLOCK_KV)) if pages is None else (
+      jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, pages.shape, 0) == j, pages, 0)), slice(None))
   if k_ref.dtype == jnp.uint16:
-    return tuple(_unpack_carriers(load(r, slice(None), d), compiled) for r in (k_ref, v_ref))
-  parts = lambda r: tuple(load(r, pl.ds(o, w), w).astype(kv_dtype) for o, w in _parts(d, k_ref.dtype))  # noqa: E731
-  return parts(k_ref), parts(v_ref)
+    return start, *(_unpack_carriers(r[(*idx, kvh, slice(None))], compiled) for r in (k_ref, v_ref))
+  parts = lambda r: tuple(  # noqa: E731
+      r[(*idx, kvh, pl.ds(o, w))].astype(kv_dtype) for o, w in _parts(k_ref.shape[-1], k_ref.dtype))
+  return start, parts(k_ref), parts(v_ref)
 
 
 def _blocks(carry, q, k_ref, v_ref, b, pages, kvh, qk_scale, kv_dtype, lo, hi, pos=None, last=None, *,
@@ -438,113 +406,10 @@ def _heads_fwd_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb:
   _store_rows(o_ref, (b,), jnp.where(real, heads, o_ref.shape[1] + r), real, parts, out)
 
 
-def _inclusive_sums(count):
-  """Inclusive prefix sums of a per-slot vector (where each slot's steps of a walk end), as a masked 2-D sum (the
-  vector is short: slots per program)."""
-  si = lax.broadcasted_iota(jnp.int32, count.shape, 0)
-  return jnp.sum(jnp.where(si[None, :] <= si[:, None], count[None, :], 0), axis=1)
-
-
-def _walk_slot(ends, i):
-  """(slot, its one-hot over the program's slots) of walk step i, from the slots' end steps (``_inclusive_sums``)."""
-  s = jnp.sum((ends <= i).astype(jnp.int32))
-  return s, lax.broadcasted_iota(jnp.int32, ends.shape, 0) == s
-
-
-def _walk_page(pages, this, j):
-  """The page of key block j of the slot ``this`` selects, from the slots' page-table rows (slots, padded width)
-  held in registers (no load the K/V addresses wait on)."""
-  row = jnp.sum(jnp.where(this[:, None], pages, 0), axis=0)
-  return jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, row.shape, 0) == j, row, 0))
-
-
-def _walk_kernel(q_ref, k_ref, v_ref, pos_ref, sc_ref, *rest, g: int, n_kb: int, bq: int, n_slots: int, paged: bool,
-                 shared: bool, compiled: bool):
-  """Decode over ``n_slots`` consecutive sequences (slots) of one key/value head in one program
-  (``TuningConfig.decode_slots``): one loop walks every slot's key blocks in turn, slot after slot, so the loads of
-  the next slot's first blocks are in flight while this slot's last block is computed (one software pipeline for
-  all of them), where one program per slot would start a pipeline, wait for its first block and drain it per slot.
-
-  Each loop step is one key block of one slot: (slot, block) is a function of the step index alone (the slots'
-  block counts are known before the loop), so the pipeline can compute the addresses of the steps ahead. A slot's
-  first step starts its rows from the shared-prefix state (or the empty one), its last step writes its rows. Every
-  block takes the masked update with V's rows past the slot's position loaded as zeros (``_load_kv``): for a block
-  the rows see in full the masks select nothing, so each row goes through the same updates of the same blocks in the
-  same order as in ``_heads_fwd_kernel``'s tile: the same bits. A slot with no block to visit (its shared blocks
-  cover it) takes one step over a block past its position: no row changes, and the step writes its rows.
-  Needs G <= block_q (one tile per slot and KV head) and 16-bit K/V refs (``attention_heads`` checks)."""
-  pt_ref, rest = (rest[0], rest[1:]) if paged else (None, rest)
-  (nb_ref, m_ref, l_ref, acc_ref, o_ref) = rest if shared else (None,) * 4 + rest
-  p, kvh = pl.program_id(0), pl.program_id(1)
-  n_seq, n_heads = q_ref.shape[0], q_ref.shape[1]
-  si = lax.broadcasted_iota(jnp.int32, (n_slots,), 0)
-  live = p * n_slots + si < n_seq  # the last program's slots past the batch: one step each, nothing written
-  seq = jnp.minimum(p * n_slots + si, n_seq - 1)
-  pos_s = jnp.where(live, pos_ref[seq], -1)
-  n_blocks = jnp.minimum(lax.div(pos_s + BLOCK_KV, BLOCK_KV), n_kb)  # blocks 0 .. pos // BLOCK_KV (none at -1)
-  j0 = jnp.where(live, nb_ref[seq], 0) if shared else jnp.zeros_like(si)
-  count = jnp.maximum(n_blocks - j0, 1)
-  ends = _inclusive_sums(count)
-  pages = pt_ref[seq, :] if paged else None  # (n_slots, padded width): every slot's page-table row, in registers
-  r = lax.broadcasted_iota(jnp.int32, (bq,), 0)
-  real = r < g
-  heads = kvh * g + jnp.minimum(r, g - 1)  # padding rows load a real row (in bounds), then are zeroed
-  parts = _parts(q_ref.shape[-1], k_ref.dtype)
-  empty = _empty_state(bq, parts)
-  qk_scale, v_scale = sc_ref[0], sc_ref[1]
-
-  def slot_of(i):
-    """(slot index, its one-hot over the program's slots, its first step) of loop step i."""
-    s, this = _walk_slot(ends, i)
-    return s, this, jnp.sum(jnp.where(this, ends - count, 0))
-
-  def resume_state(i):
-    """The state a slot starts from if step i is its first (else the empty one, unread): after its shared blocks
-    (``shared``: the prefix pass's, read from HBM), or empty. Loaded one step ahead (``step``), so its latency hides
-    behind the step before, as the pipeline hides the K/V blocks' (a load inside the step would stall each slot's
-    first step)."""
-    if not shared:
-      return empty
-    _, this, begin = slot_of(i)
-    row = jnp.sum(jnp.where(this, seq, 0)) * n_heads + heads
-    get = jnp.broadcast_to((i == begin) & (jnp.sum(jnp.where(this, j0, 0)) > 0), (bq,))
-    cols = lambda o, w: o + lax.broadcasted_iota(jnp.int32, (1, w), 1)  # noqa: E731
-    return (pltriton.load(m_ref.at[row], mask=get, other=-jnp.inf),
-            pltriton.load(l_ref.at[row], mask=get, other=0.0),
-            tuple(pltriton.load(acc_ref.at[row[:, None], cols(o, w)], mask=jnp.broadcast_to(get[:, None], (bq, w)),
-                                other=0.0) for o, w in parts))
-
-  def step(i, carry):
-    state, resume = carry
-    resume_next = resume_state(i + 1)  # issued first: in flight while this step computes
-    s, this, begin = slot_of(i)
-    pick = lambda x: jnp.sum(jnp.where(this, x, 0))  # noqa: E731  (slot s's entry of a per-slot vector)
-    first_block, pos_b, b = pick(j0), pick(pos_s), pick(seq)
-    j = first_block + i - begin
-    is_start = i == begin
-    state = jax.tree.map(lambda new, x: jnp.where(is_start, new, x), resume, state)
-    q, kv_dtype = _operands(_query_parts(q_ref, (b, heads), real, parts), k_ref.dtype)
-    page = None
-    if paged:
-      page = _walk_page(pages, this, j)
-    start = pl.multiple_of(j * BLOCK_KV, BLOCK_KV)
-    kb, vb = _load_kv(k_ref, v_ref, _block_index(b, page, start), start, kvh, kv_dtype, compiled, v_last=pos_b)
-    key = start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0)
-    pos = jnp.where(real, pos_b, -1)
-    state = _update(state, q, kb, vb, start, key, pos, pos_b, qk_scale, masked=True, compiled=compiled,
-                    v_zeroed=True)
-    out, _ = _finish(state, v_scale, q_ref.dtype)
-    write = real & (i == pick(ends) - 1) & (p * n_slots + s < n_seq)
-    _store_rows(o_ref, (b,), jnp.where(real, heads, n_heads + r), write, parts, out)
-    return state, resume_next
-
-  lax.fori_loop(0, jnp.sum(count), step, (empty, resume_state(0)))
-
-
 def _prefix_tile(q_ref, k_ref, tiles_ref, t, kvh, g: int, bq: int, per_tile: int):
   """The rows of shared-prefix tile t for KV head ``kvh``: row r is head r % G of the tile's sequence r // G ->
-  (r, that sequence's place in the tile, sequence (clipped in range), head, real (a row of a listed sequence), the
-  head-dim parts, the rows' query operands (zeros for padding rows), the K/V block dtype)."""
+  (r, sequence (clipped in range), head, real (a row of a listed sequence), the head-dim parts, the rows' query
+  operands (zeros for padding rows), the K/V block dtype)."""
   r = lax.broadcasted_iota(jnp.int32, (bq,), 0)
   row_slot = jnp.minimum(r // g, per_tile - 1)
   seq = tiles_ref[t, row_slot]
@@ -553,7 +418,7 @@ def _prefix_tile(q_ref, k_ref, tiles_ref, t, kvh, g: int, bq: int, per_tile: int
   heads = kvh * g + r % g
   parts = _parts(q_ref.shape[-1], k_ref.dtype)
   q, kv_dtype = _operands(_query_parts(q_ref, (seq_c, heads), real, parts), k_ref.dtype)
-  return r, row_slot, seq_c, heads, real, parts, q, kv_dtype
+  return r, seq_c, heads, real, parts, q, kv_dtype
 
 
 def _prefix_kernel(q_ref, k_ref, v_ref, tiles_ref, nb_ref, sc_ref, pt_ref, m_ref, l_ref, acc_ref, *, g: int,
@@ -567,7 +432,7 @@ def _prefix_kernel(q_ref, k_ref, v_ref, tiles_ref, nb_ref, sc_ref, pt_ref, m_ref
 
   @pl.when(lead >= 0)
   def _():
-    r, _, seq_c, heads, real, parts, q, kv_dtype = _prefix_tile(q_ref, k_ref, tiles_ref, t, kvh, g, bq, per_tile)
+    r, seq_c, heads, real, parts, q, kv_dtype = _prefix_tile(q_ref, k_ref, tiles_ref, t, kvh, g, bq, per_tile)
     first = jnp.minimum(lead, n_seq - 1)
     m, l, acc = _blocks(_empty_state(bq, parts), q, k_ref, v_ref, first, pt_ref[first, :], kvh, sc_ref[0],
                         kv_dtype, 0, nb_ref[first], compiled=compiled)
@@ -575,60 +440,6 @@ def _prefix_kernel(q_ref, k_ref, v_ref, tiles_ref, nb_ref, sc_ref, pt_ref, m_ref
     pltriton.store(m_ref.at[dest], m, mask=real)
     pltriton.store(l_ref.at[dest], l, mask=real)
     _store_rows(acc_ref, (), dest, real, parts, acc)
-
-
-def _prefix_walk_kernel(q_ref, k_ref, v_ref, pos_ref, tiles_ref, nb_ref, sc_ref, pt_ref, o_ref, *, g: int, bq: int,
-                        per_tile: int, n_kb: int, compiled: bool):
-  """The shared-prefix tile and the decode of its sequences in one program (``TuningConfig.prefix_walk``): the G
-  heads of KV head ``kvh`` for up to ``per_tile`` sequences (``tiles_ref[t]``) sharing their first ``nb`` key blocks,
-  in one tile whose rows are all real (per_tile x G), walking in one loop first the shared blocks (every row) and
-  then each sequence's own blocks in turn (that sequence's rows; the others' positions read as -1 there, so the
-  masked update leaves them as they are). Each row sees the blocks it sees in ``_prefix_kernel`` + the decode tile
-  resuming from its state, in the same order with the same update (its state now stays in registers instead of
-  crossing HBM in FP32, exactly): the same bits, in one launch instead of two, with the tile's rows all real where
-  the decode tile pads G rows to block_q. (slot, block) of a step is a function of the step index (``_walk_kernel``
-  says why); the first sequence's steps cover the shared blocks (they are its pages too)."""
-  t, kvh = pl.program_id(0), pl.program_id(1)
-  n_seq = q_ref.shape[0]
-  lead = tiles_ref[t, 0]
-
-  @pl.when(lead >= 0)
-  def _():
-    _, row_slot, seq_c, heads, real, parts, q, kv_dtype = _prefix_tile(q_ref, k_ref, tiles_ref, t, kvh, g, bq,
-                                                                       per_tile)
-    pos_rows = jnp.where(real, pos_ref[seq_c], -1)
-    si = lax.broadcasted_iota(jnp.int32, (1 << (per_tile - 1).bit_length(),), 0)  # Triton: power-of-two shapes
-    tseq = tiles_ref[t, jnp.minimum(si, per_tile - 1)]
-    live = (si < per_tile) & (tseq >= 0)
-    tseq = jnp.clip(tseq, 0, n_seq - 1)
-    pos_s = jnp.where(live, pos_ref[tseq], -1)
-    nb = nb_ref[jnp.minimum(lead, n_seq - 1)]  # the tile's shared blocks (0: none)
-    n_blocks = jnp.minimum(lax.div(pos_s + BLOCK_KV, BLOCK_KV), n_kb)
-    first_block = jnp.where(si == 0, 0, nb)
-    count = jnp.where(live, jnp.maximum(n_blocks - first_block, 0), 0)
-    ends = _inclusive_sums(count)
-    pages = pt_ref[tseq, :]  # (slots, padded width): the tile's page-table rows, in registers
-    qk_scale = sc_ref[0]
-
-    def step(i, state):
-      s, this = _walk_slot(ends, i)  # this step's sequence (slot of the tile)
-      pick = lambda x: jnp.sum(jnp.where(this, x, 0))  # noqa: E731
-      j = pick(first_block) + i - (pick(ends) - pick(count))
-      pos_b = pick(pos_s)
-      page = _walk_page(pages, this, j)
-      start = pl.multiple_of(j * BLOCK_KV, BLOCK_KV)
-      kb, vb = _load_kv(k_ref, v_ref, _block_index(None, page, start), start, kvh, kv_dtype, compiled, v_last=pos_b)
-      key = start + lax.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0)
-      pos = jnp.where((j < nb) | (row_slot == s), pos_rows, -1)  # shared blocks: every row; own: slot s's rows
-      return _update(state, q, kb, vb, start, key, pos, pos_b, qk_scale, masked=True, compiled=compiled,
-                     v_zeroed=True)
-
-    state = lax.fori_loop(0, jnp.sum(count), step, _empty_state(bq, parts))
-    out, _ = _finish(state, sc_ref[1], q_ref.dtype)
-    dest = jnp.where(real, seq_c, n_seq)  # padding rows: past the last sequence (``_store_rows`` says why)
-    for (o, w), x in zip(parts, out):
-      cols = o + lax.broadcasted_iota(jnp.int32, (1, w), 1)
-      pltriton.store(o_ref.at[dest[:, None], heads[:, None], cols], x, mask=jnp.broadcast_to(real[:, None], x.shape))
 
 
 def shared_prefix_tiles(page_table_BxNb, shared_blocks_B, per_tile: int):
@@ -730,7 +541,6 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
   prefix pass then runs each group's shared blocks once, its sequences' rows together in one tile (up to
   ``prefix_rows`` / G sequences per tile: one read of the prefix pages per tile, no padding rows), and the decode
   tiles go on from the state it leaves. Same blocks, same order, same update per row: the same bits as without it.
-  (``config.prefix_walk``, 16-bit K/V refs: one pass instead, each prefix tile walking its sequences' own blocks.)
   ``pair_ordered``: as in ``attention_seq`` (the sampler's FP8 cache). E4M3 codes in natural order take the 64-row
   tile (``TuningConfig.decode_block_q_natural_fp8``): a smaller one would not give the training rows' bits."""
   b, h, d = q_BxHxD.shape
@@ -759,12 +569,6 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
                        f"prefix_block_q = {pq} (one tile holds whole sequences)")
     per_tile = pq // g
     tiles, nb = shared_prefix_tiles(page_table_BxNb, shared_blocks_B, per_tile)
-    if config.prefix_walk and jnp.dtype(k.dtype).itemsize == 2:  # one pass (16-bit refs: ``_load_kv``)
-      return pl.pallas_call(
-          functools.partial(_prefix_walk_kernel, g=g, bq=pq, per_tile=per_tile, n_kb=n_kb, compiled=not interpret),
-          out_shape=jax.ShapeDtypeStruct(q_BxHxD.shape, q_BxHxD.dtype), grid=(b, n_kv), compiler_params=params,
-          interpret=interpret, name="fp8jax_attention_decode",
-      )(q_BxHxD, k, v, q_pos_B.astype(jnp.int32), tiles, nb, scalars, *extra)
     f32 = jnp.float32
     shapes = (jax.ShapeDtypeStruct((b * h,), f32), jax.ShapeDtypeStruct((b * h,), f32),
               jax.ShapeDtypeStruct((b * h, d), f32))
@@ -779,28 +583,12 @@ def attention_heads(q_BxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_B, qk_scale, v_scale, p
     # the host and waits, once per layer and decode step, and the GPU idles while the next kernels are launched.
     state = prefix(q_BxHxD, k, v, tiles, nb, scalars, *extra)
     extra = (*extra, nb, *state)
-  paged = page_table_BxNb is not None
-  if walks(config, g, k.dtype):
-    n_slots = config.decode_slots
-    kernel = functools.partial(_walk_kernel, g=g, n_kb=n_kb, bq=bq, n_slots=n_slots, paged=paged, shared=shared,
-                               compiled=not interpret)
-    grid = (-(-b // n_slots), n_kv)
-  else:
-    kernel = functools.partial(_heads_fwd_kernel, g=g, n_kb=n_kb, bq=bq, paged=paged, shared=shared,
-                               compiled=not interpret)
-    grid = (b, n_kv, -(-g // bq))
   return pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct(q_BxHxD.shape, q_BxHxD.dtype), grid=grid, compiler_params=params,
-      interpret=interpret, name="fp8jax_attention_decode",
+      functools.partial(_heads_fwd_kernel, g=g, n_kb=n_kb, bq=bq, paged=page_table_BxNb is not None, shared=shared,
+                        compiled=not interpret),
+      out_shape=jax.ShapeDtypeStruct(q_BxHxD.shape, q_BxHxD.dtype), grid=(b, n_kv, -(-g // bq)),
+      compiler_params=params, interpret=interpret, name="fp8jax_attention_decode",
   )(q_BxHxD, k, v, q_pos_B.astype(jnp.int32), scalars, *extra)
-
-
-def walks(config: TuningConfig, g: int, kv_ref_dtype) -> bool:
-  """Whether decode runs ``_walk_kernel`` (``config.decode_slots`` slots per program): set, G <= decode_block_q (one
-  tile per slot and KV head) and 16-bit K/V refs (BF16, FP16 codes, the pair-ordered FP8 cache's carriers). Else one
-  program per slot and KV head (``_heads_fwd_kernel``); both give the same bits, so this choice is speed only."""
-  return (config.decode_slots is not None and g <= config.decode_block_q
-          and jnp.dtype(kv_ref_dtype).itemsize == 2)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ so the numerics are the quantizer's
 by construction (compiled: ``to_e4m3``'s native-cast form, the one XLA uses on CUDA too; interpret mode: its exact
 FP32 rounding, the CPU form), and the GPU tests check the outputs bit for bit against the XLA quantizer.
 
-Why a kernel (measured on the H200, docs/benchmarks.md): XLA's fusions of the quantizer ran at ~1.4 TB/s for
+Why a kernel (measured on the H200, docs/history.md): XLA's fusions of the quantizer ran at ~1.4 TB/s for
 ``quantize_act`` and ~0.4 TB/s for ``quantize_act_t`` (it materializes the transpose), so the four activation
 quantizations of a Llama-8B layer forward cost 16.7% of its four FP8 GEMMs. These kernels load each block once,
 reduce the 1x128 groups in registers and write E4M3 + FP32 scales: 2.2x (``quantize_act``, 3.0-3.3 TB/s) and
@@ -20,10 +20,11 @@ reduce the 1x128 groups in registers and write E4M3 + FP32 scales: 2.2x (``quant
 Default block sizes (64 rows; 64 features for the transposed kernel; 4 warps) are the fastest of a sweep on the
 H200 (``scripts/bench_gemm.py --quant``).
 
-Why the Pallas Triton backend (the same reasoning as ``fp8_gemm_triton``): a memory-bound elementwise kernel with
-per-row reductions is what Triton lowers well, the kernel runs in interpret mode on CPU so CI checks this exact body,
-and the quantizer's functions lower as they are. Shapes: M >= 1 any (padded to the block height when ragged),
-K a multiple of 128 (the quantizer's own error otherwise).
+Why the Pallas Triton backend: a memory-bound elementwise kernel with per-row reductions is what Triton lowers well,
+the kernel runs in interpret mode on CPU so CI checks this exact body, and the quantizer's functions lower as they
+are (no extra package: jax-triton is not in the H200 image, and a raw ``triton.jit`` kernel cannot run on CPU).
+Shapes: M >= 1 any (padded to the block height when ragged), K a multiple of 128 (the quantizer's own error
+otherwise).
 """
 
 from __future__ import annotations

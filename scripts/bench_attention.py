@@ -38,7 +38,9 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import fp8jax  # noqa: E402,F401  (sets XLA flags first)
+import fp8jax  # noqa: E402
+
+fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -223,15 +225,11 @@ def _cfg_diff(cfg) -> str:
 
 
 def rollout_decode_configs():
-  """Decode settings timed by ``--rollout_decode`` (the default first): one program per slot after the prefix pass
-  (the default); one walking 1, 2, 4 or 8 slots of a KV head (``decode_slots``; two pipeline stages as well at 4);
-  the prefix tiles walking their sequences' own blocks in one pass (``prefix_walk``, 16- and 32-row tiles; "plain"
-  is then the default's plain pass). (The decode pass's warps / stages and the prefix pass's tile / stages were swept
-  here on 2026-12-04: docs/benchmarks.md.)"""
+  """Decode-pass and shared-prefix-pass settings timed by ``--rollout_decode`` (the default first; the sweep of
+  2026-12-04, docs/history.md)."""
   from pallas_kernels import attention_triton as kern  # noqa: PLC0415
   TC = kern.TuningConfig
-  return [TC(), *(TC(decode_slots=n) for n in (1, 2, 4, 8)), TC(decode_slots=4, decode_num_stages=2),
-          TC(prefix_walk=True), TC(prefix_walk=True, prefix_block_q=32)]
+  return [TC(), TC(decode_num_stages=2), TC(decode_num_warps=2), TC(prefix_block_q=64), TC(prefix_num_stages=3)]
 
 
 def rollout_decode_rows(own_lens=(128, 512, 1024), shapes=((16, 16, 512),)):

@@ -8,7 +8,6 @@
 
 For M in --ms and the Llama-3.1-8B linear shapes (K x N): TFLOP/s (2*M*N*K / median kernel time) of
   ours     pallas_kernels.fp8_gemm_mgpu.fp8_gemm (1x128 x 128x128 scales, BF16 out; wrapper ops included)
-  triton   pallas_kernels.fp8_gemm_triton.fp8_gemm (same math)
   xla_bf16 XLA BF16 dot (cuBLAS), BF16 operands
   cublas_block  torch scaled_mm with BlockWise1x128 x BlockWise128x128 FP32 scales (cuBLAS)
   cublas_pt     torch._scaled_mm with per-tensor scales
@@ -38,13 +37,14 @@ import sys
 import time
 import traceback
 
-import fp8jax  # noqa: F401  (sets XLA flags first)
+import fp8jax  # noqa: E402
+
+fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 import jax
 import jax.numpy as jnp
 
 from fp8jax import quant
 from pallas_kernels import fp8_gemm_mgpu as mgpu
-from pallas_kernels import fp8_gemm_triton as tgemm
 from pallas_kernels.core import invariant_dot
 from pallas_kernels.fp8_gemm import bf16_gemm_reference, fp8_gemm_reference
 
@@ -182,11 +182,6 @@ def bench_case(m, name, k, n, r, row_scales=False, out_dtype=jnp.bfloat16):
     row.update(ours=tf(ms), ours_ms=ms, ours_err=rel_err(out, ref))
   except Exception:  # noqa: BLE001
     log("  ours failed:", traceback.format_exc()[-1500:])
-  try:
-    ms, out = jax_time_ms(lambda *a: tgemm.fp8_gemm(*a, out_dtype=out_dtype), q)
-    row.update(triton=tf(ms), triton_err=rel_err(out, ref))
-  except Exception:  # noqa: BLE001
-    log("  triton failed:", traceback.format_exc()[-1500:])
   if not row_scales:
     try:
       dn = (((1,), (1,)), ((), ()))
@@ -230,7 +225,7 @@ def variant_configs(m, n, k):
   first = mgpu.choose_config(m, n, k)
   if m >= 1024:
     # (overlap / direct_store, pingpong and cluster_m, measured on 2026-11-30 and not kept: commits 3fae615,
-    # b96e6b7 and af71f35; docs/benchmarks.md)
+    # b96e6b7 and af71f35; docs/history.md)
     cands = [T("m", 128, 2, k_blocks=2, cross_tile=True), T("m", 128, 2, k_blocks=2, cross_tile=True, cluster_n=True),
              T("m", 128, 4, num_wgs=3), T("m", 128, 4, cross_tile=True, num_wgs=3),
              T("m", 128, 4, cross_tile=True, num_wgs=3, cluster_n=True)]
@@ -365,16 +360,16 @@ def fmt(x, f="{:.0f}"):
 
 
 def table(rows):
-  hdr = ("| M | shape (KxN) | ours | triton | XLA BF16 | cuBLAS block | cuBLAS per-tensor | ours/cuBLAS-block "
-         "| err ours | err triton | err cuBLAS block | err cuBLAS pt | err BF16 |")
-  lines = [hdr, "|" + "---|" * 13]
+  hdr = ("| M | shape (KxN) | ours | XLA BF16 | cuBLAS block | cuBLAS per-tensor | ours/cuBLAS-block "
+         "| err ours | err cuBLAS block | err cuBLAS pt | err BF16 |")
+  lines = [hdr, "|" + "---|" * 11]
   for r in rows:
-    lines.append("| {} | {} {}x{}{} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
+    lines.append("| {} | {} {}x{}{} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
         r["m"], r["shape"], r["k"], r["n"], " (wgrad, FP32 out)" if r["variant"].startswith("wgrad") else "",
-        fmt(r.get("ours")), fmt(r.get("triton")), fmt(r.get("xla_bf16")), fmt(r.get("cublas_block")),
+        fmt(r.get("ours")), fmt(r.get("xla_bf16")), fmt(r.get("cublas_block")),
         fmt(r.get("cublas_pt")), fmt(r.get("ratio"), "{:.2f}x"), fmt(r.get("ours_err"), "{:.1e}"),
-        fmt(r.get("triton_err"), "{:.1e}"), fmt(r.get("cublas_block_err"), "{:.1e}"),
-        fmt(r.get("cublas_pt_err"), "{:.1e}"), fmt(r.get("xla_bf16_err"), "{:.1e}")))
+        fmt(r.get("cublas_block_err"), "{:.1e}"), fmt(r.get("cublas_pt_err"), "{:.1e}"),
+        fmt(r.get("xla_bf16_err"), "{:.1e}")))
   return "\n".join(lines)
 
 

@@ -58,16 +58,11 @@ GEMMs (the lm_head, every linear of bf16) run the batch-invariant BF16 kernel an
 configs bf16_cublas (cuBLAS BF16 GEMMs + XLA RMSNorm) and fp8kv_xla_norm (XLA RMSNorm) put the shape-dependent
 pieces back, to measure the price of the exact one engine beside bf16 / fp8kv in one run. fp8kv_nofuse / bf16_nofuse
 run q/k/v and gate/up as separate GEMMs (the sampler fuses them on the Hopper kernels: fp8jax.model.fuse).
-fp8kv_walkN / bf16_walkN (N = 1, 2, 4, 8) run the decode attention with one program walking N slots of a KV head
-(``attention_triton.TuningConfig.decode_slots``), fp8kv_pwalk / bf16_pwalk with the shared-prefix tiles walking
-their sequences' own blocks in one pass (``prefix_walk``; with --samples > 1); the same bits, timed beside fp8kv /
-bf16 in one process.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -83,7 +78,9 @@ import warnings
 # 256 x 1024 positions, 32 layers) then fails beside fp8jax's live weights. Take 95% unless the caller chose.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-import fp8jax  # noqa: E402, F401  (before jax: XLA flags)
+import fp8jax  # noqa: E402
+
+fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,17 +110,7 @@ CONFIGS = {  # name -> (recipe, kv cache)
     # q/k/v and gate/up as separate GEMMs (the sampler fuses them on the Hopper kernels: fp8jax.model.fuse)
     "fp8kv_nofuse": (recipes.Recipe(kv_cache="fp8"), "fp8"),
     "bf16_nofuse": (recipes.Recipe(mode="bf16"), "bf16"),
-    # decode attention with one program walking N slots of a KV head (attention_triton.TuningConfig.decode_slots), or
-    # with the shared-prefix tiles walking their sequences' own blocks in one pass (prefix_walk); the same bits,
-    # beside "fp8kv" / "bf16" (one program per slot after the prefix pass)
-    **{f"fp8kv_walk{n}": (recipes.Recipe(kv_cache="fp8"), "fp8") for n in (1, 2, 4, 8)},
-    **{f"bf16_walk{n}": (recipes.Recipe(mode="bf16"), "bf16") for n in (1, 2, 4, 8)},
-    "fp8kv_pwalk": (recipes.Recipe(kv_cache="fp8"), "fp8"),
-    "bf16_pwalk": (recipes.Recipe(mode="bf16"), "bf16"),
 }
-ATTENTION_TUNING = {  # config -> attention_triton.TuningConfig settings (attention_tuning)
-    **{name: {"decode_slots": int(name.rsplit("walk", 1)[1])} for name in CONFIGS if "_walk" in name},
-    **{name: {"prefix_walk": True} for name in CONFIGS if name.endswith("_pwalk")}}
 MODEL_OVERRIDES = {"bf16_cublas": {"norm_backend": "xla"}, "fp8kv_xla_norm": {"norm_backend": "xla"}}
 SAMPLER_OVERRIDES = {"fp8kv_noshare": {"shared_prefix_attention": False},
                      "bf16_noshare": {"shared_prefix_attention": False},
@@ -303,47 +290,11 @@ def get_sampler(a, cfg, name) -> smp.Sampler:
     scfg = smp.SamplerConfig(slots=a.slots, max_len=a.prompt_len + a.max_new, prompt_buckets=(a.prompt_len,),
                              kv_cache=kv, decode_chunk=a.decode_chunk, **SAMPLER_OVERRIDES.get(name, {}))
     cfg = dataclasses.replace(cfg, **MODEL_OVERRIDES.get(name, {}))
-    lcfg = ops.LinearConfig.from_recipe(recipe)
-    tuned = tuple(sorted(ATTENTION_TUNING.get(name, {}).items()))
-    _SAMPLERS[name] = TunedSampler(cfg, scfg, lcfg, tuning=tuned) if tuned else smp.Sampler(cfg, scfg, lcfg)
+    _SAMPLERS[name] = smp.Sampler(cfg, scfg, ops.LinearConfig.from_recipe(recipe))
   return _SAMPLERS[name]
 
 
-class TunedSampler(smp.Sampler):
-  """A Sampler for a config with ATTENTION_TUNING: its jitted programs (keyed by the Sampler, which hashes by its
-  configs) must not be the default Sampler's, so its key holds the attention settings too."""
-
-  def __init__(self, *args, tuning: tuple, **kwargs):
-    super().__init__(*args, **kwargs)
-    self.tuning = tuning
-
-  def _key(self):
-    return (*super()._key(), self.tuning)
-
-
-@contextlib.contextmanager
-def attention_tuning(name):
-  """Within: ``fp8jax.attention`` runs its kernels with config ``name``'s ATTENTION_TUNING settings (the sampler's
-  programs are traced inside, so they keep them; other configs trace with the defaults)."""
-  over = ATTENTION_TUNING.get(name)
-  if not over:
-    yield
-    return
-  from fp8jax import attention as attn  # noqa: PLC0415
-  saved = attn.tuning
-  attn.tuning = lambda: dataclasses.replace(saved(), **over)
-  try:
-    yield
-  finally:
-    attn.tuning = saved
-
-
 def run_fp8jax(a, cfg, name, params, prompts, workload, kv_scales=None) -> dict:
-  with attention_tuning(name):
-    return _run_fp8jax(a, cfg, name, params, prompts, workload, kv_scales)
-
-
-def _run_fp8jax(a, cfg, name, params, prompts, workload, kv_scales=None) -> dict:
   recipe, kv = recipe_of(a, name), CONFIGS[name][1]
   max_len = a.prompt_len + a.max_new
   s = get_sampler(a, cfg, name)

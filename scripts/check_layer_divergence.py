@@ -2,8 +2,8 @@
 
   PYTHONPATH=. python3 scripts/check_layer_divergence.py [--dim 1024 --layers 4 --vocab 32768 --rows 64 --len 96]
 
-``fp8jax.one_engine.block_divergence`` for each recipe (read its module docstring): the trainer's forward and the
-sampler's prefill + decode path run the same random tokens; for every block's output (norms, attention, MLP,
+``fp8jax.diagnostics.one_engine.block_divergence`` for each recipe (read its module docstring): the trainer's forward
+and the sampler's prefill + decode path run the same random tokens; for every block's output (norms, attention, MLP,
 residual stream entering each norm, final norm, the head's log-prob) the fraction of decode rows bitwise equal to the
 training rows and the max |difference|. The first tensor that differs is where the engines part.
 """
@@ -19,9 +19,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fp8jax  # noqa: E402
 
+fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
+
 import jax  # noqa: E402
 
-from fp8jax import backends, one_engine  # noqa: E402
+from fp8jax import backends  # noqa: E402
+from fp8jax.diagnostics import one_engine  # noqa: E402
 
 
 def main():

@@ -7,7 +7,7 @@
     .venv/bin/python scripts/parity.py --arms=$a --seeds=1 --first_seed=$s --out=runs/parity/$a$s.json & done; done
   wait; .venv/bin/python scripts/parity.py --table_only    # reads the finished runs, writes the table
 
-Thin entry point over ``fp8jax.rl.parity``: one BF16 warm start (trained once, checkpointed under
+Thin entry point over ``fp8jax.diagnostics.parity``: one BF16 warm start (trained once, checkpointed under
 ``--workdir``/warmstart and reused by later invocations with the same settings), then every arm x seed from it, each
 run in ``--workdir``/<arm>/seed<k> (a rerun resumes finished or interrupted runs). Prints the table and writes it
 to ``--out`` (JSON) and the validation curves to ``--png``. ``--config.x=y`` overrides the base config (locked: a
@@ -19,12 +19,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo (configs/, fp8jax/)
 
-import fp8jax  # noqa: E402,F401  (before jax: XLA flags)
+import fp8jax  # noqa: E402
+
+fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from fp8jax.rl import parity  # noqa: E402
+from fp8jax.diagnostics import parity  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_fp8.py", "Base config (configs/*.py).",
                                           lock_config=True)

@@ -1,7 +1,6 @@
 """Registers, shared memory and SASS instruction mix of the attention kernels for sm_90, on a machine without a GPU.
 
-  python3 scripts/triton_resources.py [--kernel decode|decode_shared|seq] [--kv fp8_pairs|fp8|bf16]
-      [--decode_slots N] [--prefix_walk] [--sass_out DIR]
+  python3 scripts/triton_resources.py [--kernel decode|decode_shared|seq] [--kv fp8_pairs|fp8|bf16] [--sass_out DIR]
 
 Lowers the kernel's pallas_call for an abstract H200 (``pallas_kernels.lowering``, as the CPU lowering tests do),
 takes the Triton module that jax's Pallas Triton lowering builds, and compiles it with the pinned ``triton`` package
@@ -10,7 +9,7 @@ thread, spill stack, dynamic shared memory, how many programs (of the kernel's w
 shared memory (or that the kernel exceeds the per-block limit and cannot launch), and the most frequent SASS opcodes
 (static count, not executed).
 
-What it is for: the decode tile's speed follows its occupancy (docs/benchmarks.md, "Attention (issue 14)"), which a
+What it is for: the decode tile's speed follows its occupancy (docs/history.md, "Tried and dropped"), which a
 register or shared-memory change moves by a whole program per SM; this shows it before spending device time. XLA
 compiles the same module with the Triton it bundles, not this one: checked on 2026-12-04 against the H200 profile of
 the FP8 + FP8 KV decode step (both 255 registers and 114,688 bytes of shared memory for ``fp8jax_attention_decode``).
@@ -103,10 +102,9 @@ def compile_sm90(ir_text: str, num_warps: int, num_stages: int, sass_path: str |
               top_opcodes=ops.most_common(12), sass_instructions=sum(ops.values()))
 
 
-def kernel_args(kernel: str, kv: str, decode_slots: int | None = None, prefix_walk: bool = False):
+def kernel_args(kernel: str, kv: str):
   """(function, abstract args) of the decode step's launch at Llama-3.1-8B shapes (256 slots, paged) or of the
-  training forward (8 x 4096). ``kv``: fp8_pairs (the sampler's pair-ordered FP8 cache), fp8 (natural order), bf16.
-  ``decode_slots`` / ``prefix_walk``: those ``TuningConfig`` settings of the decode launch."""
+  training forward (8 x 4096). ``kv``: fp8_pairs (the sampler's pair-ordered FP8 cache), fp8 (natural order), bf16."""
   S = jax.ShapeDtypeStruct
   f32, i32, bf = jnp.float32, jnp.int32, jnp.bfloat16
   kv_dtype = {"fp8": jnp.float8_e4m3fn, "fp8_pairs": jnp.float8_e4m3fn, "bf16": bf}[kv]
@@ -119,8 +117,7 @@ def kernel_args(kernel: str, kv: str, decode_slots: int | None = None, prefix_wa
   pool = S((3000, kern.BLOCK_KV, n_kv, d), kv_dtype)
   table = S((256, -(-1536 // kern.BLOCK_KV)), i32)
   shared = (S((256,), i32),) if kernel == "decode_shared" else ()
-  fn = functools.partial(kern.attention_heads, pair_ordered=kv == "fp8_pairs",
-                         config=kern.TuningConfig(decode_slots=decode_slots, prefix_walk=prefix_walk))
+  fn = functools.partial(kern.attention_heads, pair_ordered=kv == "fp8_pairs")
   return fn, (S((256, h, d), bf), pool, pool, S((256,), i32), *sc, table, *shared)
 
 
@@ -129,11 +126,9 @@ def main():
   p.add_argument("--kernel", default="decode_shared", choices=("decode", "decode_shared", "seq"))
   p.add_argument("--kv", default="fp8_pairs", choices=("fp8_pairs", "fp8", "bf16"),
                  help="fp8_pairs: the sampler's FP8 cache (pair order); fp8: codes in natural order")
-  p.add_argument("--decode_slots", type=int, default=None, help="TuningConfig.decode_slots (decode kernels)")
-  p.add_argument("--prefix_walk", action="store_true", help="TuningConfig.prefix_walk (decode_shared)")
   p.add_argument("--sass_out", default=None, help="directory for each kernel's SASS listing")
   a = p.parse_args()
-  fn, args = kernel_args(a.kernel, a.kv, a.decode_slots, a.prefix_walk)
+  fn, args = kernel_args(a.kernel, a.kv)
   for i, (name, text, warps, stages) in enumerate(triton_modules(fn, *args)):
     sass = os.path.join(a.sass_out, f"{name}_{i}.sass") if a.sass_out else None
     r = compile_sm90(text, warps, stages, sass)

@@ -454,14 +454,10 @@ def test_pair_ordered_cache_interpret_equals_natural_bitwise(shared):
 
 
 @pytest.mark.parametrize("form", ["bf16", "fp8-pairs"])
-def test_walking_decode_interpret_equals_one_program_per_slot_bitwise(form):
-  """The walking decode kernels == one program per slot (+ the shared-prefix pass), bit for bit:
-  ``TuningConfig.decode_slots`` (one program walks several slots of a KV head, ``attention_triton._walk_kernel``)
-  over a page pool with and without the shared-prefix pass and over a dense cache, 1, 4 or 8 slots per program
-  over 13 sequences (the last program partly past the batch); ``TuningConfig.prefix_walk`` (each shared-prefix tile
-  of 4, 5 or 8 sequences also walks their own blocks: one pass, ``_prefix_walk_kernel``). Sequences of a group not
-  adjacent, ragged positions, NaN in K and V past each slot's position on its own last page (V's rows there are
-  loaded as zeros), a slot at position -1 (sees no key: zeros)."""
+def test_decode_interpret_over_stale_pages_is_finite_and_a_slot_at_minus_one_is_zero(form):
+  """Decode over a page pool, plain and through the shared-prefix pass: NaN in K and V past each slot's position on
+  its own last page leaves every output finite, and a slot at position -1 (sees no key) gives zeros. Sequences of a
+  group not adjacent, ragged positions."""
   fp8 = form != "bf16"
   groups = [(5, 2), (1, 1), (3, 3), (3, 0), (1, 2)]  # (sequences, shared blocks)
   q, k, v, table, pos, shared, (qs, vsc) = _prompt_groups(7 + fp8, groups, 2, 8, 2, 64, fp8)
@@ -476,46 +472,11 @@ def test_walking_decode_interpret_equals_one_program_per_slot_bitwise(form):
       k, v = (x.at[page, rows[rows > p_ % bk]].set(jnp.nan) for x in (k, v))
   if fp8:
     k, v = ref.pair_order(k), ref.pair_order(v)
-  TC = kern.TuningConfig
-  heads = functools.partial(kern.attention_heads, interpret=True, pair_ordered=fp8)
-  configs = (((table,), [TC(prefix_block_q=16, decode_slots=8)]),
-             ((table, shared), [TC(prefix_block_q=16, decode_slots=4), TC(prefix_block_q=16, prefix_walk=True),
-                                TC(prefix_block_q=32, prefix_walk=True)]))
-  for extra, cfgs in configs:
-    want = np.asarray(heads(q, k, v, pos, qs, vsc, *extra, config=TC(prefix_block_q=16)))
-    assert np.all(np.isfinite(want.astype(np.float32))) and not want[11].any()
-    for cfg in cfgs:
-      assert cfg.prefix_walk or kern.walks(cfg, 4, k.dtype if not fp8 else jnp.uint16)
-      np.testing.assert_array_equal(np.asarray(heads(q, k, v, pos, qs, vsc, *extra, config=cfg)), want,
-                                    err_msg=str(cfg))
-  # G = 6: a prefix tile of 32 rows holds 5 sequences (not a power of two)
-  q6, k6, v6, table6, pos6, shared6, (qs6, vsc6) = _prompt_groups(17 + fp8, [(7, 2), (2, 1)], 1, 12, 2, 64, fp8)
-  if fp8:
-    k6, v6 = ref.pair_order(k6), ref.pair_order(v6)
-  np.testing.assert_array_equal(
-      np.asarray(heads(q6, k6, v6, pos6, qs6, vsc6, table6, shared6, config=TC(prefix_walk=True))),
-      np.asarray(heads(q6, k6, v6, pos6, qs6, vsc6, table6, shared6)))
-  b, t = 5, 150
-  q2, k2, v2, ks, vs = _qkv(9, b, t, 8, 2, 64, fp8=fp8)
-  ck, cv = _cache_with_stale_rows(k2, v2, 256, 3)
-  if fp8:
-    ck, cv = ref.pair_order(ck), ref.pair_order(cv)
-  ps = jnp.asarray([0, t - 1, 127, 128, 77], jnp.int32)
-  qs2, vsc2 = _scales(64, ks, vs)
-  want = np.asarray(heads(q2[jnp.arange(b), ps], ck, cv, ps, qs2, vsc2))
-  np.testing.assert_array_equal(
-      np.asarray(heads(q2[jnp.arange(b), ps], ck, cv, ps, qs2, vsc2, config=TC(decode_slots=4))), want)
-
-
-def test_walking_decode_applies_where_it_can_and_its_setting_is_checked():
-  """decode_slots takes 16-bit K/V refs (natural-order E4M3 codes keep their 64-row tile: one program per slot) and
-  G <= decode_block_q; other values than the listed powers of two are refused, naming the field."""
-  cfg = kern.TuningConfig(decode_slots=4)
-  assert kern.walks(cfg, 4, jnp.bfloat16) and kern.walks(cfg, 16, jnp.uint16) and kern.walks(cfg, 8, jnp.float16)
-  assert not kern.walks(cfg, 4, jnp.float8_e4m3fn) and not kern.walks(cfg, 17, jnp.bfloat16)
-  assert not kern.walks(kern.TuningConfig(), 4, jnp.bfloat16)
-  with pytest.raises(ValueError, match="TuningConfig.decode_slots"):
-    kern.TuningConfig(decode_slots=3)
+  heads = functools.partial(kern.attention_heads, interpret=True, pair_ordered=fp8,
+                            config=kern.TuningConfig(prefix_block_q=16))
+  for extra in ((table,), (table, shared)):
+    got = np.asarray(heads(q, k, v, pos, qs, vsc, *extra))
+    assert np.all(np.isfinite(got.astype(np.float32))) and not got[11].any()
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float16], ids=["bf16", "fp8", "fp16-codes"])
@@ -538,17 +499,6 @@ def test_kernels_lower_for_cuda(kv_dtype):
     pairs = functools.partial(kern.attention_heads, pair_ordered=True)
     assert "triton" in lower_for_h200(pairs, S((256, h, d), bf), pool, pool, S((256,), i32), *sc, S((256, 12), i32),
                                    S((256,), i32))
-  walk = functools.partial(kern.attention_heads, config=kern.TuningConfig(decode_slots=4),  # decode_slots: 16-bit refs
-                           pair_ordered=kv_dtype == jnp.float8_e4m3fn)
-  dense = S((250, 1536, kv, d), kv_dtype)
-  for kv_in, extra in ((pool, (S((250, 12), i32),)), (pool, (S((250, 12), i32), S((250,), i32))), (dense, ())):
-    assert "triton" in lower_for_h200(walk, S((250, h, d), bf), kv_in, kv_in, S((250,), i32), *sc, *extra)
-  one_pass = functools.partial(kern.attention_heads, config=kern.TuningConfig(prefix_walk=True),
-                               pair_ordered=kv_dtype == jnp.float8_e4m3fn)  # prefix_walk: one launch (16-bit refs)
-  for heads in (h, 24):  # G = 4 and 6 (a tile of 5 sequences: Triton's shapes are padded to powers of two)
-    lowered = lower_for_h200(one_pass, S((256, heads, d), bf), pool, pool, S((256,), i32), *sc, S((256, 12), i32),
-                             S((256,), i32))
-    assert lowered.count("__gpu$xla.gpu.triton") == 1
   assert "triton" in lower_for_h200(kern.attention_seq, S((64, 512, h, d), bf), pool, pool, S((64, 512), i32), *sc,
                                  S((64, 4), i32))
   if kv_dtype != jnp.float8_e4m3fn:  # the backward reads BF16 values or BF16-held codes (kv_codes)
@@ -580,7 +530,8 @@ ATTEND_MESH_SCRIPT = r"""
 import os, sys, json, functools
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
-import fp8jax, jax, jax.numpy as jnp, numpy as np
+import fp8jax; fp8jax.configure_xla()
+import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fp8jax import attention as attn
 from pallas_kernels import attention as ref, attention_triton as kern
@@ -743,50 +694,23 @@ def test_gpu_decode_rows_equal_training_rows_at_every_position(form):
   == the training rows, bit for bit: ~16M output elements, enough to catch the rare rounding differences (~1e-5 of
   the elements) that a layout-dependent reduction in one tile shape leaves, which the small checks above can miss."""
   fp8, po = form != "bf16", form == "fp8-pairs"
-  q, pk, pv, ps, table, shared, ks, vs, want = _every_position_case(77 + fp8 + po, fp8, po, 4)
-  step = fp8jax.jit(lambda q, p, pt, sb: attn.attend(q[:, None], pk, pv, p[:, None], k_scale=ks, v_scale=vs,
-                                                     backend="pallas", page_table=pt, shared_blocks=sb,
-                                                     pair_ordered=po)[:, 0])
-  np.testing.assert_array_equal(np.asarray(step(q, ps, table, None)), want)
-  np.testing.assert_array_equal(np.asarray(step(q, ps, table, shared)), want)
-
-
-def _every_position_case(seed, fp8, pair_ordered, stale_seed):
-  """Every position of 4 sequences of 1000 tokens (32 query / 8 KV heads, head_dim 128) as its own decode slot over
-  a page pool in shuffled order (stale K junk and NaN V past each sequence: pages seed ``stale_seed + 1``) -> (the
-  slots' queries, K pool, V pool, positions, page-table rows, shared prompt blocks (1 / 2 past 128 / 256 keys),
-  k_scale, v_scale, the training rows at those positions through the Pallas kernels)."""
   b, t, h, kv, d = 4, 1000, 32, 8, 128
-  q, k, v, ks, vs = _qkv(seed, b, t, h, kv, d, fp8=fp8)
+  q, k, v, ks, vs = _qkv(77 + fp8 + po, b, t, h, kv, d, fp8=fp8)
   train = fp8jax.jit(lambda q, k, v: attn.attend(q, k, v, k_scale=ks, v_scale=vs, backend="pallas"))(
       q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
-  ck, cv = _cache_with_stale_rows(k, v, kvcache.padded_len(t), stale_seed)
-  pk, pv, table = _shuffled_pages(ck, cv, ref.BLOCK_KV, stale_seed + 1)
-  if pair_ordered:
+  ck, cv = _cache_with_stale_rows(k, v, kvcache.padded_len(t), 4)
+  pk, pv, table = _shuffled_pages(ck, cv, ref.BLOCK_KV, 5)
+  if po:
     pk, pv = ref.pair_order(pk), ref.pair_order(pv)
   seq = jnp.repeat(jnp.arange(b), t)
   ps = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)
-  return (q[seq, ps], pk, pv, ps, table[seq], jnp.minimum(ps // ref.BLOCK_KV, 2), ks, vs,
-          np.asarray(train[seq, ps]))
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("form", ["bf16", "fp8-pairs"])
-def test_gpu_walking_decode_equals_training_rows_at_every_position(form):
-  """The walking decode kernels on the GPU (``TuningConfig.decode_slots`` 1, 4, 8: one program walking that many
-  slots of a KV head; ``prefix_walk``: the shared-prefix tiles walking their sequences' own blocks, one pass): every
-  position of 4 sequences decoded as its own slot, plain and with shared prompt blocks, == the training rows, bit
-  for bit (as the test above does for one program per slot; stale K junk and NaN V past each position)."""
-  fp8 = form != "bf16"
-  q, pk, pv, ps, table, shared, ks, vs, want = _every_position_case(78 + fp8, fp8, fp8, 6)
-  qs, vsc = _scales(q.shape[-1], ks, vs)
-  TC = kern.TuningConfig
-  for cfg in (TC(decode_slots=1), TC(decode_slots=4), TC(decode_slots=8), TC(prefix_walk=True)):
-    step = jax.jit(functools.partial(kern.attention_heads, config=cfg, pair_ordered=fp8))
-    for sb in (None, shared):
-      np.testing.assert_array_equal(np.asarray(step(q, pk, pv, ps, qs, vsc, table, sb)), want,
-                                    err_msg=f"{cfg}, shared={sb is not None}")
+  shared = jnp.minimum(ps // ref.BLOCK_KV, 2)
+  step = fp8jax.jit(lambda q, p, pt, sb: attn.attend(q[:, None], pk, pv, p[:, None], k_scale=ks, v_scale=vs,
+                                                     backend="pallas", page_table=pt, shared_blocks=sb,
+                                                     pair_ordered=po)[:, 0])
+  want = np.asarray(train[seq, ps])
+  np.testing.assert_array_equal(np.asarray(step(q[seq, ps], ps, table[seq], None)), want)
+  np.testing.assert_array_equal(np.asarray(step(q[seq, ps], ps, table[seq], shared)), want)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """The import graph points one way: ``pallas_kernels`` (kernels beside their references) imports nothing from
 ``fp8jax``; ``pallas_kernels.core`` (block size, E4M3 rounding, fixed-order sums) imports nothing from the project;
-no module-level import circle anywhere in the two packages. Read from the source with ``ast`` (nothing imported),
+nothing outside ``fp8jax.diagnostics`` (checks and harnesses that measure the library) imports it; no module-level
+import circle anywhere in the two packages. Read from the source with ``ast`` (nothing imported),
 so a lazy import inside a function counts as an arrow too for the upward check."""
 
 import ast
@@ -10,6 +11,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("fp8jax", "pallas_kernels")
+DIAGNOSTICS = "fp8jax.diagnostics"
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -110,6 +112,18 @@ def test_kernels_import_nothing_from_the_library(top_level_only):
   assert not upward, f"pallas_kernels must not import fp8jax (move the helper to pallas_kernels/core.py): {upward}"
   core = graph["pallas_kernels.core"]
   assert not core, f"pallas_kernels/core.py is the dependency-free base, but imports {sorted(core)}"
+
+
+def _in_diagnostics(module: str) -> bool:
+  return module == DIAGNOSTICS or module.startswith(DIAGNOSTICS + ".")
+
+
+@pytest.mark.parametrize("top_level_only", [True, False], ids=["module_level", "with_lazy_imports"])
+def test_the_library_never_imports_its_diagnostics(top_level_only):
+  graph = _graph(top_level_only)
+  assert DIAGNOSTICS in graph, f"{DIAGNOSTICS} not found: is the source layout as expected?"
+  inward = sorted((a, b) for a, deps in graph.items() if not _in_diagnostics(a) for b in deps if _in_diagnostics(b))
+  assert not inward, f"{DIAGNOSTICS} measures the library, which must not import it (scripts/ and tests/ may): {inward}"
 
 
 def test_no_module_level_import_circles():

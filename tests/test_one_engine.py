@@ -1,4 +1,4 @@
-"""fp8jax.one_engine's checks: the sampler's arithmetic vs the trainer's, whole and block by block.
+"""fp8jax.diagnostics.one_engine's checks: the sampler's arithmetic vs the trainer's, whole and block by block.
 
 CPU: bit for bit (GEMMs and attention in fixed-shape row tiles, RMSNorm and head sums in a fixed order; until 2026-12-02
 XLA:CPU's whole-array RMSNorm and head reductions left ulps, bounded here by 1 + 1e-5). GPU (sm_90, the Pallas
@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from fp8jax import backends, one_engine
+from fp8jax import backends
+from fp8jax.diagnostics import one_engine
 
 CFG = one_engine.model_config(256, 2, 512)
 PROMPTS = [np.random.default_rng(i).integers(0, 512, size=8 + 5 * i).tolist() for i in range(4)]
@@ -37,21 +38,36 @@ def test_sampler_vs_trainer_cpu():
   assert m["token_mult_prob_error"] == 1.0 and m["bitwise_equal_frac"] == 1.0, m
 
 
-def test_importing_fp8jax_sets_the_one_engine_xla_flags():
-  """fp8jax adds each of COMPILER_OPTIONS to XLA_FLAGS (jaxlib must know them: an unknown flag would stop XLA here),
-  keeps a user's own setting of one, and warns when JAX was imported first."""
-  code = ("import os, sys; import fp8jax, jax, jax.numpy as jnp; print(fp8jax.jit(lambda x: x + 1)(jnp.ones(2)).sum());"
+def test_xla_flags_are_explicit():
+  """Importing fp8jax (and using its names) leaves XLA_FLAGS alone; ``configure_xla()`` appends each of
+  COMPILER_OPTIONS (jaxlib must know them: an unknown flag would stop XLA at the first computation), keeps a user's
+  own setting of one, and warns when JAX's backend already exists (too late for this process)."""
+  code = ("import os; import fp8jax; fp8jax.Recipe; import jax.numpy as jnp; print('BEFORE=' + os.environ['XLA_FLAGS']);"
+          "print('ADDED=' + ' '.join(fp8jax.configure_xla())); print(fp8jax.jit(lambda x: x + 1)(jnp.ones(2)).sum());"
           "print('FLAGS=' + os.environ['XLA_FLAGS'])")
   env = dict(os.environ, XLA_FLAGS="--xla_allow_excess_precision=true")
   res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
   assert res.returncode == 0, res.stderr[-2000:]
-  flags = res.stdout.split("FLAGS=")[-1].split()
-  assert flags == ["--xla_allow_excess_precision=true", "--xla_gpu_experimental_enable_fusion_autotuner=false"], flags
+  out = dict(line.split("=", 1) for line in res.stdout.splitlines() if line.split("=", 1)[0] in ("BEFORE", "ADDED",
+                                                                                                  "FLAGS"))
+  assert out["BEFORE"] == "--xla_allow_excess_precision=true", out
+  assert out["ADDED"] == "--xla_gpu_experimental_enable_fusion_autotuner=false", out
+  assert out["FLAGS"].split() == ["--xla_allow_excess_precision=true",
+                                  "--xla_gpu_experimental_enable_fusion_autotuner=false"], out
   env["XLA_FLAGS"] = ""
-  res = subprocess.run([sys.executable, "-c", "import jax; import fp8jax"], capture_output=True, text=True,
-                       timeout=120, env=env)
-  assert res.returncode == 0 and "imported after jax" in res.stderr, res.stderr[-2000:]
+  code = "import jax; jax.devices(); import fp8jax; fp8jax.configure_xla()"
+  res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+  assert res.returncode == 0 and "after JAX created its backend" in res.stderr, res.stderr[-2000:]
   assert "--xla_gpu_experimental_enable_fusion_autotuner=false" in res.stderr
+
+
+def test_import_fp8jax_is_lazy():
+  """``import fp8jax`` imports no JAX (the public names resolve on first use), and every name in __all__ resolves."""
+  code = ("import sys, fp8jax; assert 'jax' not in sys.modules, 'import fp8jax pulled in jax';"
+          "missing = [n for n in fp8jax.__all__ if getattr(fp8jax, n, None) is None]; assert not missing, missing;"
+          "print('OK')")
+  res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert res.returncode == 0 and res.stdout.strip() == "OK", res.stderr[-2000:]
 
 
 @pytest.mark.gpu

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fp8jax.diagnostics import parity
 from fp8jax.model import llama
-from fp8jax.rl import parity
 from fp8jax.rl import trainer as trainer_lib
 from test_trainer import REPO, parity_reward, small_config  # noqa: F401  (parity_reward: a fixture)
 

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from fp8jax import backends, one_engine, sharding
+from fp8jax import backends, sharding
+from fp8jax.diagnostics import one_engine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +20,8 @@ SCRIPT = r"""
 import os, sys, json, dataclasses
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, {repo!r})
-import fp8jax, jax, numpy as np
+import fp8jax; fp8jax.configure_xla()
+import jax, numpy as np
 from fp8jax import sampler as S, ops, sharding, quant
 from fp8jax import recipes
 from fp8jax.model import llama

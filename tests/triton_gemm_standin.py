@@ -1,20 +1,14 @@
-"""Portable block-scaled FP8 GEMM ``C = A . B^T`` in Triton, through the Pallas Triton backend.
+"""Interpret-mode stand-in for the Hopper FP8 GEMM in the CPU tests: a block-scaled FP8 GEMM ``C = A . B^T``
+through the Pallas Triton backend. Not part of the library (nothing in ``fp8jax`` dispatches it) and never run on a
+GPU: ``kernel_standins.install`` puts it in place of ``pallas_kernels.fp8_gemm_mgpu.fp8_gemm`` for the tests of the
+"pallas" path on fake CPU devices, and tests/test_fp8_gemm_kernels.py checks it against
+``pallas_kernels.fp8_gemm.fp8_gemm_reference``.
 
-Same operands, math and signature as ``pallas_kernels.fp8_gemm_mgpu.fp8_gemm`` (see ``pallas_kernels.fp8_gemm``):
-for GPUs or shapes the Hopper Mosaic kernel does not cover (e.g. sm_89 / sm_100 parts, where Triton emits the
-native FP8 MMA of each).
-
-Why the Pallas Triton backend rather than jax-triton: on the H200 image the Pallas Triton backend compiles an FP8
-``jnp.dot`` correctly with nothing extra installed, whereas jax-triton is not in the image (it must travel as a
-wheel) and a raw ``triton.jit`` kernel cannot run at all on the CPU machines where CI runs. The Pallas kernel runs
-in interpret mode on CPU, so CI checks this exact kernel body against the reference. The backend is deprecated
-upstream (it warns with a DeprecationWarning); if it is removed, the body below maps one-to-one onto a
-``triton.jit`` kernel called via jax-triton. Seen on the H200 (2026-11-30, docs/benchmarks.md): it compiles, passes the
-GPU tests (reference, batch invariance) and runs at ~320 TFLOP/s at M = 8192 (untuned; the Mosaic kernel does ~1100).
-
-Per program: one (block_m x block_n) tile of C; for each 128-wide K block in increasing order, an FP8 dot into a
-fresh FP32 accumulator, then ``acc += blk * (a_scale[m] * b_scale[n])`` (the numerics contract: per-block
-promotion, fixed K order, no split-K, so rows are batch invariant). M is zero-padded to block_m.
+Same operands, math and signature as the Mosaic kernel (see ``pallas_kernels.fp8_gemm``). Per program: one
+(block_m x block_n) tile of C; for each 128-wide K block in increasing order, an FP8 dot into a fresh FP32
+accumulator, then ``acc += blk * (a_scale[m] * b_scale[n])`` (the numerics contract: per-block promotion, fixed K
+order, no split-K, so rows are batch invariant). M is zero-padded to block_m. (Once a portable GPU fallback, measured
+at ~320 TFLOP/s on the H200 at M = 8192 and never dispatched: docs/history.md.)
 """
 
 from __future__ import annotations

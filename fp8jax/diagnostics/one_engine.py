@@ -64,11 +64,14 @@ def promised_recipes(quantize_lm_head: bool = False) -> dict[str, recipes.Recipe
 
 
 def sampler_vs_trainer(cfg: ModelConfig, recipe: recipes.Recipe, prompts, *, slots: int, samples: int, max_new: int,
-                       seed: int = 0, bucket: int = 64, mesh=None) -> dict:
+                       seed: int = 0, bucket: int = 64, mesh=None, master=None, temperature: float = 1.0,
+                       stop_token_ids: tuple[int, ...] = ()) -> dict:
   """Generate ``samples`` completions per prompt, recompute their log-probs as the trainer does, compare.
   ``bucket``: the prompt length bucket (prompts up to that many tokens). ``mesh``: the sampler's (its weights
-  placed by the sharding rules; data-parallel rollouts where it has no tensor axis); the trainer runs on one device."""
-  master = init_params(cfg, seed=seed, std=0.05)
+  placed by the sharding rules; data-parallel rollouts where it has no tensor axis); the trainer runs on one device.
+  ``master``: the policy's master params (e.g. a checkpoint's, ``hf.load_params``); default a random init.
+  ``stop_token_ids``: a real model's EOS ids (a completion ends there; the trainer masks what follows)."""
+  master = init_params(cfg, seed=seed, std=0.05) if master is None else master
   lcfg = ops.LinearConfig.from_recipe(recipe)
   sc = sampler.SamplerConfig(slots=slots, max_len=bucket + max_new, prompt_buckets=(bucket,), kv_cache=recipe.kv_cache)
   s = sampler.Sampler(cfg, sc, dataclasses.replace(lcfg, mesh=mesh))
@@ -76,7 +79,9 @@ def sampler_vs_trainer(cfg: ModelConfig, recipe: recipes.Recipe, prompts, *, slo
   if mesh is not None:
     sp_params = jax.device_put(sp_params, sharding.tree_shardings(sp_params, mesh))
   kv = s.calibrate_kv_scales(sp_params, prompts, 1.25) if recipe.kv_cache == "fp8" else None
-  ro = s.generate(sp_params, prompts, sampler.SamplingParams(max_new_tokens=max_new, seed=1), n=samples, kv_scales=kv)
+  sp = sampler.SamplingParams(max_new_tokens=max_new, seed=1, temperature=temperature,
+                              stop_token_ids=tuple(stop_token_ids))
+  ro = s.generate(sp_params, prompts, sp, n=samples, kv_scales=kv)
   seq, mask, gen_lp = ro.sequences()
   policy = learner.Policy(cfg, lcfg, recipe)  # the trainer's log-probs, as its loss and mismatch pass read them
   trainer_lp = fp8jax.jit(lambda p, t: policy.logprobs(p, t, kv_scales=kv)[0])(master, jnp.asarray(seq))
