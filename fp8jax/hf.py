@@ -1,7 +1,8 @@
 """Hugging Face checkpoints in and out: config, safetensors weights, tokenizer; BF16 and block-FP8 export.
 
 Import (a local HF directory; nothing is downloaded):
-  ``load_config(dir) -> ModelConfig``    config.json of a LlamaForCausalLM (plain or "llama3" RoPE), Qwen3ForCausalLM,
+  ``load_config(dir) -> ModelConfig``    config.json of a LlamaForCausalLM (plain or "llama3" RoPE), Qwen2ForCausalLM
+                                         (Qwen2 / Qwen2.5: q/k/v biases, no sliding window), Qwen3ForCausalLM,
                                          Qwen3MoeForCausalLM (Qwen3-30B-A3B and the like) or DeepseekV3ForCausalLM
                                          (Moonlight-16B-A3B, DeepSeek-V3: MLA, noaux_tc MoE, YaRN; model_type
                                          "deepseek_v3"; its multi-token-prediction layers are skipped on load).
@@ -55,8 +56,8 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                 "DeepseekV3ForCausalLM": "deepseek_v3"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3"}
 # Files a tokenizer may consist of (copied verbatim on export when present).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "tokenizer.model", "added_tokens.json", "generation_config.json")
@@ -181,10 +182,17 @@ def load_config(hf_dir: str, *, dtype: str = "bfloat16", max_seq_len: int | None
   path = os.path.join(hf_dir, CONFIG_FILE)
   c = _read_json(path)
   arch = _architecture(c, path)
+  family = ARCHITECTURES[arch]
+  # Qwen2 always has q/k/v biases (transformers ignores an attention_bias key there); elsewhere attention_bias would
+  # also bias o_proj, which fp8jax does not implement.
+  why = {"use_sliding_window": "; fp8jax has no sliding-window attention: every layer attends to all earlier tokens"}
   for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
                   ("use_sliding_window", False)):
+    if key == "attention_bias" and family == "qwen2":
+      continue
     if key in c and c[key] not in (ok, None):
-      raise HFCheckpointError(f"{path}: key '{key}' = {c[key]!r} is not supported (fp8jax needs {ok!r})")
+      raise HFCheckpointError(f"{path}: key '{key}' = {c[key]!r} is not supported (fp8jax needs {ok!r}"
+                              f"{why.get(key, '')})")
 
   qc = c.get("quantization_config")
   if qc and not (qc.get("quant_method") == "fp8" and list(qc.get("weight_block_size") or []) == [128, 128]):
@@ -198,7 +206,6 @@ def load_config(hf_dir: str, *, dtype: str = "bfloat16", max_seq_len: int | None
 
   n_heads = int(need("num_attention_heads"))
   dim = int(need("hidden_size"))
-  family = ARCHITECTURES[arch]
   theta, scaling, yarn = _rope(c, path, yarn_ok=family == "deepseek_v3")
   moe = {"rope_yarn": yarn} if yarn else {}
   n_layers = int(need("num_hidden_layers"))
@@ -222,7 +229,7 @@ def load_config(hf_dir: str, *, dtype: str = "bfloat16", max_seq_len: int | None
         **({} if family == "deepseek_v3" else {"head_dim": int(c.get("head_dim") or dim // n_heads)}),
         ffn_dim=int(need("intermediate_size")), norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta,
         rope_scaling=scaling, tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qk_norm=family in ("qwen3", "qwen3_moe"), attn_bias=family == "qwen2",
         max_seq_len=int(max_seq_len or c.get("max_position_embeddings", 8192)), dtype=dtype, **moe)
   except ValueError as e:  # ModelConfig's check, named by its field: say which file it came from
     raise HFCheckpointError(f"{path}: {e}") from None
@@ -244,16 +251,22 @@ def _hf_architecture(cfg: ModelConfig) -> str:
   if cfg.n_experts and not cfg.qk_norm:
     raise HFCheckpointError(f"export: model.n_experts={cfg.n_experts} with model.qk_norm=False has no HF "
                             f"architecture (Qwen3MoeForCausalLM always has q/k norms)")
+  if cfg.attn_bias:
+    if cfg.qk_norm or cfg.n_experts:
+      raise HFCheckpointError(f"export: model.attn_bias=True with model.qk_norm={cfg.qk_norm}, model.n_experts="
+                              f"{cfg.n_experts} has no HF architecture in fp8jax (Qwen2ForCausalLM: q/k/v biases, "
+                              f"dense, no q/k norms)")
+    return "Qwen2ForCausalLM"
   return "Qwen3MoeForCausalLM" if cfg.n_experts else "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
 
 
 def hf_config_dict(cfg: ModelConfig, *, extra: dict | None = None) -> dict:
-  """ModelConfig -> an HF config.json dict (LlamaForCausalLM, Qwen3ForCausalLM when cfg.qk_norm, or
-  Qwen3MoeForCausalLM when cfg.n_experts)."""
+  """ModelConfig -> an HF config.json dict (LlamaForCausalLM, Qwen2ForCausalLM when cfg.attn_bias, Qwen3ForCausalLM
+  when cfg.qk_norm, or Qwen3MoeForCausalLM when cfg.n_experts)."""
   arch = _hf_architecture(cfg)
   if arch == "DeepseekV3ForCausalLM":
     return {**_deepseek_v3_config_dict(cfg), **(extra or {})}
-  qwen, moe = cfg.qk_norm, cfg.n_experts > 0
+  qwen, moe = cfg.qk_norm or cfg.attn_bias, cfg.n_experts > 0
   rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
   legacy_scaling = None
   if cfg.rope_scaling is not None:
@@ -266,7 +279,9 @@ def hf_config_dict(cfg: ModelConfig, *, extra: dict | None = None) -> dict:
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
       "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
       "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
-      "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+      # Qwen2ForCausalLM has q/k/v biases whatever attention_bias says (transformers and vLLM do not read it there);
+      # True says so to a reader, and fp8jax's load_config reads the architecture.
+      "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.attn_bias,
       # transformers >= 5 reads rope_parameters; older transformers and serving engines read the legacy keys.
       "rope_parameters": rope, "rope_theta": cfg.rope_theta, "rope_scaling": legacy_scaling,
       "dtype": "bfloat16", "torch_dtype": "bfloat16", "use_cache": True,
@@ -1002,8 +1017,9 @@ def make_tiny_hf_dir(out_dir: str, arch: str = "llama", *, seed: int = 0, n_laye
                      ffn_dim: int = 512, n_heads: int = 4, n_kv_heads: int = 2, head_dim: int = 64,
                      vocab_size: int = 256, tie: bool | None = None, init_std: float = 0.02, n_experts: int = 4,
                      n_experts_per_tok: int = 2, moe_ffn_dim: int = 128, mlp_only_layers: tuple[int, ...] = ()) -> str:
-  """A random Llama-3 (llama3 RoPE scaling), Qwen3 or Qwen3-MoE ("qwen3_moe": the ``n_experts`` .. ``mlp_only_layers``
-  arguments, top-k renormalized) HF directory saved by transformers, with a tiny tokenizer."""
+  """A random Llama-3 (llama3 RoPE scaling), Qwen2 (q/k/v biases, random like the weights), Qwen3 or Qwen3-MoE
+  ("qwen3_moe": the ``n_experts`` .. ``mlp_only_layers`` arguments, top-k renormalized) HF directory saved by
+  transformers, with a tiny tokenizer."""
   import torch  # noqa: PLC0415
   import transformers  # noqa: PLC0415
 
@@ -1018,6 +1034,10 @@ def make_tiny_hf_dir(out_dir: str, arch: str = "llama", *, seed: int = 0, n_laye
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     cls = transformers.LlamaForCausalLM
+  elif arch == "qwen2":
+    c = transformers.Qwen2Config(**common, tie_word_embeddings=bool(tie), rms_norm_eps=1e-6, use_sliding_window=False,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    cls = transformers.Qwen2ForCausalLM
   elif arch == "qwen3":
     c = transformers.Qwen3Config(**common, tie_word_embeddings=True if tie is None else tie, rms_norm_eps=1e-6,
                                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
@@ -1030,12 +1050,14 @@ def make_tiny_hf_dir(out_dir: str, arch: str = "llama", *, seed: int = 0, n_laye
                                     mlp_only_layers=list(mlp_only_layers))
     cls = transformers.Qwen3MoeForCausalLM
   else:
-    raise ValueError(f"make_tiny_hf_dir: arch must be 'llama', 'qwen3' or 'qwen3_moe', got {arch!r}")
+    raise ValueError(f"make_tiny_hf_dir: arch must be 'llama', 'qwen2', 'qwen3' or 'qwen3_moe', got {arch!r}")
   torch.manual_seed(seed)
   model = cls(c)
-  with torch.no_grad():  # norms start at ones and routers at zeros: randomize them so a swap would show
+  with torch.no_grad():  # norms start at ones, biases and routers at zeros: randomize them so a swap would show
     for name, p in model.named_parameters():
-      if p.ndim == 1:
+      if name.endswith(".bias"):  # Qwen2's q/k/v biases: of both signs, larger than the projections' outputs
+        p.copy_(0.5 * torch.randn_like(p))
+      elif p.ndim == 1:
         p.copy_(1.0 + 0.1 * torch.randn_like(p))
       elif name.endswith(".mlp.gate.weight"):  # the router: its logits must separate the experts
         p.copy_(0.5 * torch.randn_like(p))

@@ -34,10 +34,12 @@ class ModelConfig:
   rope_scaling: tuple[float, float, float, int] | None = None
   tie_embeddings: bool = False
   qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+  attn_bias: bool = False  # Qwen2: biases on the q/k/v projections (none on o_proj or the MLP); GQA only
   max_seq_len: int = 8192
   dtype: str = "bfloat16"  # activation / compute dtype; master params are float32
   remat: bool = False  # rematerialize each decoder layer in the backward pass
-  attn_backend: str = "auto"  # fp8jax.attention: "auto" (Pallas kernels on a CUDA GPU, else the reference) | "xla" | "pallas"
+  # fp8jax.attention: "auto" (Pallas kernels on a CUDA GPU, else the reference), "xla" or "pallas"
+  attn_backend: str = "auto"
   norm_backend: str = "auto"  # RMSNorm: "auto" (the fixed-tile Pallas kernel on a CUDA GPU, else the reference) | ...
   n_experts: int = 0  # 0: every layer dense
   n_experts_per_tok: int = 0
@@ -115,6 +117,9 @@ class ModelConfig:
       if not self.kv_lora_rank:
         raise ValueError("model.rope_yarn is implemented for MLA only (model.kv_lora_rank > 0), where its attention "
                          "factor and softmax mscale are applied")
+    if self.attn_bias and self.kv_lora_rank:
+      raise ValueError(f"model.attn_bias (Qwen2's q/k/v biases) needs GQA attention, got MLA (model.kv_lora_rank="
+                       f"{self.kv_lora_rank})")
     if self.kv_lora_rank:
       self._check_mla()
     elif any((self.q_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)):

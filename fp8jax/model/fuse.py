@@ -14,7 +14,7 @@ for weights of different kinds or rows not a multiple of 128, and on a multi-dev
 shards would mix q, k and v rows) the group stays separate: the same results either way.
 
 What it saves at Llama-3.1-8B, decode M = 256 (H200): q, k, v are one-wave GEMMs of 64, 16 and 16 output tiles on
-132 SMs, fused one wave of 96; 96 fewer kernel launches per decode step (docs/benchmarks.md has the measurement).
+132 SMs, fused one wave of 96; 96 fewer kernel launches per decode step (docs/history.md has the measurement).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from fp8jax import ops, quant, sharding
-from fp8jax.model.schema import PARALLEL
+from fp8jax import lora, ops, quant, sharding
+from fp8jax.model.schema import BIAS_OF, PARALLEL
 
 GROUPS = (("wq", "wk", "wv"), ("w_gate", "w_up"), ("shared_gate", "shared_up"))
 
@@ -37,6 +37,8 @@ def fusable(ws, lcfg: ops.LinearConfig) -> bool:
   if sharding.multi_device(lcfg.mesh):
     return False
   kind = type(ws[0])
+  if kind is lora.LoRAWeight:
+    return False  # adapters: three GEMMs per weight (fp8jax.lora), nothing stored to concatenate
   if any(type(w) is not kind for w in ws) or len({w.shape[1] for w in ws}) != 1:
     return False
   if any(w.shape[0] % quant.BLOCK for w in ws):
@@ -59,6 +61,17 @@ def _concat(ws):
   return jnp.concatenate(ws)
 
 
+def _bias_names(names) -> tuple:
+  """The bias keys of a group's weights (Qwen2's bq/bk/bv for wq/wk/wv; None for a weight that has no bias row)."""
+  return tuple(BIAS_OF.get(n) for n in names)
+
+
+def _fused_bias_key(names) -> str | None:
+  """The key of a group's concatenated biases ("bq+bk+bv") where every weight of the group has a bias row."""
+  biases = _bias_names(names)
+  return None if None in biases else fused_key(biases)
+
+
 def _groups_to_fuse(layer: dict, lcfg: ops.LinearConfig):
   return [names for names in GROUPS if all(n in layer for n in names) and fusable([layer[n] for n in names], lcfg)]
 
@@ -79,21 +92,30 @@ def fuse_layers(params, lcfg: ops.LinearConfig):
       p = dict(p)
       for names in groups:
         p[fused_key(names)] = _concat([p.pop(n) for n in names])
+        biases = _bias_names(names)
+        if _fused_bias_key(names) and all(b in p for b in biases):  # Qwen2: q/k/v biases alike ("bq+bk+bv")
+          p[_fused_bias_key(names)] = jnp.concatenate([p.pop(b) for b in biases])
     layers.append(p)
   return {**params, "layers": type(params["layers"])(layers)}
 
 
 def project(p, x, names, sizes, lcfg: ops.LinearConfig):
-  """[x . w^T for w in the group ``names``], of output widths ``sizes`` (None: equal widths): one GEMM split by
-  columns where the layer holds the fused weight, else one ``ops.linear`` per weight."""
-  key = fused_key(names)
+  """[x . w^T (+ its bias) for w in the group ``names``], of output widths ``sizes`` (None: equal widths): one GEMM
+  split by columns where the layer holds the fused weight, else one ``ops.linear`` per weight. A weight's bias
+  (``schema.BIAS_OF``, where the layer has it) is added to the GEMM's FP32 output inside ``ops.linear``, which is
+  elementwise per column: the fused form's columns stay the separate GEMMs'."""
+  key, biases = fused_key(names), _bias_names(names)
   if key not in p:
-    return [ops.linear(x, p[n], lcfg, PARALLEL[n]) for n in names]
+    return [ops.linear(x, p[n], lcfg, PARALLEL[n], bias=p.get(b)) for n, b in zip(names, biases)]
   w = p[key]
   n = w.shape[0]
   sizes = (n // len(names),) * len(names) if sizes is None else tuple(sizes)
   if n != sum(sizes):
     raise ValueError(f"fused weight {key!r} has {n} output rows, the model expects {sizes} (sum {sum(sizes)}): "
                      "params fused for another model config?")
-  y = ops.linear(x, w, lcfg, PARALLEL[names[0]])
+  bias_key = _fused_bias_key(names)
+  if any(b in p for b in biases if b):
+    raise ValueError(f"layer holds the fused weight {key!r} but its biases {biases} apart: fuse them with "
+                     f"fuse_layers, which concatenates both")
+  y = ops.linear(x, w, lcfg, PARALLEL[names[0]], bias=p.get(bias_key) if bias_key else None)
   return jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=-1)

@@ -1,4 +1,5 @@
-"""The GQA attention block (Llama-3.x, Qwen3): projections, optional QK-norm, RoPE, the attention op, KV cache."""
+"""The GQA attention block (Llama-3.x, Qwen2, Qwen3): projections (Qwen2: with q/k/v biases, ``fuse.project``),
+optional QK-norm, RoPE, the attention op, KV cache."""
 
 from __future__ import annotations
 

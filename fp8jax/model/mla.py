@@ -13,7 +13,7 @@ i.e. multi-query attention of H query heads over one shared "key" [c, k_rope] of
 dims per token, whose first kv_lora_rank dims are also the value (the attention op gets it as k and v; the output's
 last qk_rope_head_dim dims are dropped). That one vector per token and layer is the sampler's latent cache.
 
-Why absorbed in training too: the one-engine contract (DESIGN.md) needs the trainer's log-probs to be the
+Why absorbed in training too: the one-engine contract (docs/design.md) needs the trainer's log-probs to be the
 sampler's, and the two forms are equal in exact arithmetic only (different BF16 roundings). Decode must be absorbed
 (the expanded form would re-expand the whole cache every step), so the training forward is absorbed as well. Its
 price: multiply-adds per head and (query, key) pair grow from qk_nope + qk_rope + v_head_dim to

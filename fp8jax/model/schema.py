@@ -108,6 +108,10 @@ def _gqa(c: ModelConfig, layer) -> bool:
   return not c.is_mla
 
 
+def _attn_bias(c: ModelConfig, layer) -> bool:
+  return c.attn_bias and not c.is_mla
+
+
 def _mla(c: ModelConfig, layer) -> bool:
   return c.is_mla
 
@@ -157,6 +161,12 @@ LAYER: tuple[Param, ...] = (
     Param("wq", _mat("q_dim", "dim"), COLUMN, "self_attn.q_proj", linear=True, present=_one_q_proj),
     Param("wk", _mat("kv_dim", "dim"), COLUMN, "self_attn.k_proj", linear=True, present=_gqa),
     Param("wv", _mat("kv_dim", "dim"), COLUMN, "self_attn.v_proj", linear=True, present=_gqa),
+    # Qwen2's q/k/v biases: the "bias" tensor of the projection's HF module, added by ``ops.linear(..., bias=)`` to
+    # the FP32 accumulator. 1-D and no linear weight, so no recipe quantizes them (BF16 in every export); split over
+    # tensor like their projection's output features.
+    Param("bq", _vec("q_dim"), (TENSOR,), "self_attn.q_proj", init="zeros", present=_attn_bias, tensor="bias"),
+    Param("bk", _vec("kv_dim"), (TENSOR,), "self_attn.k_proj", init="zeros", present=_attn_bias, tensor="bias"),
+    Param("bv", _vec("kv_dim"), (TENSOR,), "self_attn.v_proj", init="zeros", present=_attn_bias, tensor="bias"),
     # MLA (DeepSeek-V3, fp8jax.model.mla). wkv_a's 576 = 512 + 64 outputs are not a multiple of 128: FP8 quantizes
     # it with a ragged last row tile (zero-padded, as quant does for every ragged weight), and export_fp8 writes it
     # BF16 unless ragged_fp8. wkv_b is no recipe linear: decode and training both run the absorbed form, where its
@@ -214,6 +224,9 @@ LINEAR_NAMES: tuple[str, ...] = tuple(p.key for p in LAYER if p.linear)
 SHARDING_RULES: dict[str, tuple[str | None, ...]] = {p.key: p.axes for p in BY_KEY.values() if p.axes}
 HF_LAYER_MODULES: dict[str, str] = {p.key: p.hf for p in LAYER}
 HF_TOP_MODULES: dict[str, str] = {p.key: p.hf for p in TOP}
+# The bias row of a layer linear (same HF module, tensor "bias"): wq -> bq, wk -> bk, wv -> bv.
+BIAS_OF: dict[str, str] = {w.key: b.key for b in LAYER if b.tensor == "bias" for w in LAYER
+                           if w.linear and w.hf == b.hf}
 # Tensor-parallel style of each 2-D layer linear (``ops.linear(..., parallel=)``), from its axes: output features over
 # tensor -> "column", input features over tensor -> "row".
 PARALLEL: dict[str, str] = {p.key: {COLUMN: "column", ROW: "row"}[p.axes] for p in LAYER
