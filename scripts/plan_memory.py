@@ -11,9 +11,10 @@ the run would not fit.
 
 ``--measure_steps=N`` (on a GPU) then runs the config's first N RL steps on the local device and prints, beside the
 plan, what the allocator saw: the bytes held once the state is made (before the first step), the peak through
-the first rollout (read when its tokens reach the host) and the peak through the whole step; the difference from the
-plan's phases is what XLA's temporaries and the compiled programs add. Random weights need a task that needs no
-download, e.g. ``--config.task=arithmetic``; ``--config.model.n_layers`` makes the check fit one GPU.
+the first rollout (read when its tokens reach the host) and the peak through the whole step. The plan's phases include
+the temporaries of the run's programs compiled for this GPU (``--notemporaries`` leaves them out), so the difference
+is what the plan misses: the programs' code, fragmentation, buffers alive across programs. Random weights need a
+task that needs no download, e.g. ``--config.task=arithmetic``; ``--config.model.n_layers`` makes the check fit one GPU.
 """
 
 import os
@@ -39,7 +40,9 @@ if _N:
 
 import json  # noqa: E402
 
-import fp8jax  # noqa: E402,F401  (before jax: XLA flags)
+import fp8jax  # noqa: E402
+
+fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -49,6 +52,10 @@ flags.DEFINE_integer("devices", None, "Plan for N fake CPU devices (default: thi
 _GIB = flags.DEFINE_float("device_gib", None, "Memory per device to check against, GiB (default: the local "
                           "device's limit; none on CPU).")
 _JSON = flags.DEFINE_string("json", None, "Also write the plan as JSON here.")
+_TEMPS = flags.DEFINE_bool("temporaries", None, "Compile the train step, prefill and decode loop at the run's shapes "
+                           "for XLA's temporaries (fp8jax/rl/memory.py). Default: on for the local devices, off with "
+                           "--devices (XLA:CPU's temporaries are not a GPU's, and the GPU's KV page layout does not "
+                           "compile on the CPU reference).")
 _MEASURE = flags.DEFINE_integer("measure_steps", 0, "Then run this many RL steps on the local device and print the "
                                 "allocator's figures beside the plan (a GPU; see the module docstring).")
 
@@ -67,7 +74,11 @@ def main(argv):
     from pallas_kernels.attention import BLOCK_KV  # noqa: PLC0415
 
     kvcache.key_block = lambda: BLOCK_KV
-  plan = memory_plan(_CONFIG.value)
+  temporaries = _TEMPS.value if _TEMPS.value is not None else not _N
+  if temporaries and _N:
+    raise app.UsageError("--temporaries with --devices: XLA's temporaries come from compiling on the GPU the plan is "
+                         "for (run without --devices there); the CPU cannot compile the GPU's KV page layout")
+  plan = memory_plan(_CONFIG.value, temporaries=temporaries, target="gpu" if _N else None)
   limit = int(_GIB.value * memory.GIB) if _GIB.value else (None if _N else memory.device_limit())
   print(plan.table())
   verdict, fits = ("no limit to check against (CPU: pass --device_gib)" if limit is None else None), True
@@ -76,8 +87,10 @@ def main(argv):
   except ValueError as e:
     verdict, fits = f"does not fit: {e}", False
   exact = plan.peak(exact_only=True) / memory.GIB
-  verdict = verdict or (f"fits {limit / memory.GIB:.1f} GiB per device (exact part {exact:.1f} GiB; activations "
-                        f"beyond the remat checkpoints not counted)")
+  unchecked = ("XLA's temporaries not compiled (--notemporaries)" if not plan.compiled else
+               f"XLA's temporaries compiled for {plan.compiled['backend']}, not checked" if plan.estimates else
+               f"XLA's temporaries compiled for {plan.compiled['backend']} included")
+  verdict = verdict or f"fits {limit / memory.GIB:.1f} GiB per device (checked part {exact:.1f} GiB; {unchecked})"
   print(verdict)
   result = dict(plan.to_json(), limit=limit, verdict=verdict)
   if _MEASURE.value and fits:
@@ -93,6 +106,11 @@ def main(argv):
       got = memory.measure(RLTrainer(_CONFIG.value, workdir), _MEASURE.value, read)
     result["measured"] = got
     g = memory.GIB
+    c = plan.compiled
+    if c:
+      print(f"\nXLA's compiled programs ({c['backend']}), GiB per device: " + ", ".join(
+          f"{name} temp {c[name]['temp'] / g:.2f} (depths {c[name]['depths']})" for name in ("train_step", "prefill",
+                                                                                              "decode")))
     rows = [("state, before the first step", sum(plan.state.values()) / g, got["state_in_use"]),
             ("peak through the first rollout", plan.phase("rollout") / g, got["rollout_peak"]),
             ("peak through step 1 (rollout + train)", plan.peak() / g, got["steps"][0]["peak"])]

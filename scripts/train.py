@@ -18,7 +18,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo (configs/, fp8jax/)
 
-import fp8jax  # noqa: E402,F401  (before jax: XLA flags)
+import fp8jax  # noqa: E402
+
+fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -47,10 +49,10 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   try:
     trainer = RLTrainer(config, _WORKDIR.value)
-    if distributed.is_primary():
+    if distributed.is_primary() and trainer._plan is not None:  # made where the device has a limit (a GPU)
       plan = trainer.memory_plan
       print(f"memory per device (plan, scripts/plan_memory.py): rollout {plan.phase('rollout') / 2**30:.2f} GiB, "
-            f"train step {plan.phase('train') / 2**30:.2f} GiB before XLA's temporaries")
+            f"train step {plan.phase('train') / 2**30:.2f} GiB with XLA's compiled temporaries")
     history = trainer.run(_STEPS.value)
   except (TrainingDiverged, WorkdirLocked, RunDirInUse, CheckpointMismatch, CheckpointCorrupt,
           CheckpointUnreadable) as e:

@@ -9,10 +9,24 @@ moments, the frozen KL reference), which every device holds its shard of for the
 * **train**: the gradients (the FP32 accumulator over the microbatches, sharded as the params) and the remat
   checkpoints of one microbatch (each layer's BF16 input).
 
-The state, the sampler's weights, the KV pool and the gradients are exact sizes of the buffers the run makes. The
-activations are not: the remat checkpoints are the least a microbatch keeps, and XLA's temporaries (one layer's
-recomputation, a microbatch's gradients before they are added, the head's vocabulary chunk, the optimizer update)
-come on top. So ``check`` refuses a run only on the exact part, and the plan's table says which rows are estimates.
+The state, the sampler's weights, the KV pool and the gradients are exact sizes of the buffers the run makes. What
+each phase's programs need on top (the remat checkpoints, one layer's recomputation, a microbatch's gradients
+before they are added, the head's vocabulary chunk, the optimizer update; the sampler's activations and its decode
+state) is XLA's: ``plan`` compiles the train step (a minibatch's gradient accumulation + the update), the prefill and
+the decode loop at the run's shapes from abstract inputs (``jax.ShapeDtypeStruct``s with the run's shardings: no
+weights made) for the backend this process runs on (on a GPU the GPU compiler's buffer assignment, on the CPU the
+CPU's), and adds each program's ``memory_analysis().temp_size_in_bytes`` (per device) to its phase.
+
+Compiling a 32-layer 8B step takes minutes on a CPU (the layers are a Python list, so the program grows with depth).
+Where every layer is alike (no BF16-kept end layers or patterns, all layers dense or all MoE) the temporaries are
+affine in the depth: T(L) = T(1) + (L - 1) (T(2) - T(1)), since each further layer adds the same buffers (its remat
+checkpoint, its gradient, its weights' FP8 codes) while what the depth does not change (one layer's recomputation,
+the head's chunk, the loss) stays. So ``plan`` compiles 1 and 2 layers deep and extrapolates (``compiled_depths``);
+tests/test_memory.py checks the extrapolation against the compiled program at full depth. Where the layers differ it
+compiles at full depth.
+
+With ``optim.offload`` the master and the optimizer state live in host memory between steps (``host`` rows, not
+counted against the device); the train step's temporaries then hold their device copies (the compiled program's).
 
 ``RLTrainer`` checks its plan against the device's memory before it makes any weights; ``scripts/plan_memory.py``
 prints the plan of a config for any number of devices (fake CPU devices: no GPU needed).
@@ -44,7 +58,8 @@ def tree_bytes(tree) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-  """Bytes per device, by phase. ``estimates``: the rows that are estimates from below (the rest are exact)."""
+  """Bytes per device, by phase. ``estimates``: rows shown but not checked (XLA temporaries compiled for another
+  backend than the run's: planning GPUs on the CPU); the rest are exact sizes or the run's own compiled programs'."""
 
   mesh: dict[str, int]
   state: dict[str, int]
@@ -52,6 +67,8 @@ class MemoryPlan:
   train: dict[str, int]
   estimates: tuple[str, ...] = ()
   kv_cache: str = "bf16"  # the rollout cache's kind (the error's hint)
+  host: dict[str, int] = dataclasses.field(default_factory=dict)  # state in host memory (optim.offload)
+  compiled: dict[str, dict] = dataclasses.field(default_factory=dict)  # program -> its memory analysis (bytes)
 
   def phase(self, name: str, *, exact_only: bool = False) -> int:
     """The state plus phase ``name``'s buffers ("rollout" or "train")."""
@@ -64,9 +81,13 @@ class MemoryPlan:
   def table(self) -> str:
     mesh = " x ".join(f"{a} {s}" for a, s in self.mesh.items() if s > 1) or "one device"
     lines = [f"memory per device (GiB), mesh: {mesh}"]
-    for title, rows in (("state (whole run)", self.state), ("rollout", self.rollout), ("train step", self.train)):
+    groups = (("state (whole run)", self.state), ("rollout", self.rollout), ("train step", self.train))
+    if self.host:
+      groups += (("host memory (optim.offload; not on the device)", self.host),)
+    for title, rows in groups:
       lines.append(f"  {title}")
-      lines += [f"    {k:40s} {v / GIB:9.2f}" + ("  (estimate, from below)" if k in self.estimates else "")
+      lines += [f"    {k:40s} {v / GIB:9.2f}" + (f"  (compiled for {self.compiled.get('backend')}: not checked)"
+                                                      if k in self.estimates else "")
                 for k, v in rows.items()]
     lines.append(f"  {'peak: state + rollout':42s} {self.phase('rollout') / GIB:9.2f}")
     lines.append(f"  {'peak: state + train step':42s} {self.phase('train') / GIB:9.2f}")
@@ -74,18 +95,135 @@ class MemoryPlan:
 
   def to_json(self) -> dict:
     return dict(mesh=self.mesh, state=self.state, rollout=self.rollout, train=self.train,
-                estimates=list(self.estimates), kv_cache=self.kv_cache, peak=self.peak(), peak_exact=self.peak(exact_only=True))
+                estimates=list(self.estimates), kv_cache=self.kv_cache, peak=self.peak(),
+                peak_exact=self.peak(exact_only=True), host=self.host, compiled=self.compiled)
+
+
+# The rows that come from XLA's compiled programs (their names, for the table and the tests).
+TRAIN_TEMPS = "XLA temporaries besides the gradients"
+ROLLOUT_TEMPS = "XLA temporaries + decode state"
+
+
+def memory_analysis(compiled) -> dict:
+  """Bytes per device of a compiled program (``Compiled.memory_analysis()``): temp, argument, output, alias (outputs
+  in donated arguments' buffers) and their host-memory counterparts."""
+  ma = compiled.memory_analysis()
+  keys = ("temp", "argument", "output", "alias", "host_temp", "host_argument", "host_output", "host_alias")
+  return {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0) for k in keys}
+
+
+def layers_alike(cfg, recipe) -> bool:
+  """Whether every decoder layer compiles to the same buffers (the depth extrapolation's premise): no layer kept in
+  BF16 by the recipe, all layers dense or all MoE."""
+  if recipe.keep_first_n or recipe.keep_last_n or recipe.keep_patterns:
+    return False
+  return len({cfg.is_moe_layer(i) for i in range(cfg.n_layers)}) == 1
+
+
+def compiled_depths(n_layers: int, alike: bool) -> tuple[int, ...]:
+  """The depths ``plan`` compiles at: (1, 2), extrapolated to ``n_layers`` (module docstring), or the depth itself."""
+  return (1, 2) if alike and n_layers > 2 else (n_layers,)
+
+
+def at_depth(analyses: dict[int, dict], n_layers: int) -> dict:
+  """A program's memory analysis at ``n_layers`` from its analyses at the compiled depths (affine in the depth)."""
+  if n_layers in analyses:
+    return dict(analyses[n_layers])
+  a1, a2 = analyses[1], analyses[2]
+  return {k: a1[k] + (n_layers - 1) * (a2[k] - a1[k]) for k in a1}
+
+
+def train_step_args(learner, rows: int, seq: int):
+  """Abstract (state, batch) of ``learner.train_step`` for a minibatch of ``rows`` sequences of ``seq`` tokens, with
+  the run's shardings (and memory kinds: optim.offload)."""
+  gc, S = learner.gc, jax.ShapeDtypeStruct
+  state = learner.abstract_state(kv=learner.kv_state, ref=bool(gc.kl_beta))
+
+  def rows_of(shape, dtype):
+    return S(shape, dtype, sharding=sharding.batch_sharding(learner.mesh, len(shape)))
+
+  per_token = ["mask", "old_logp"] + (["ref_logp"] if gc.kl_beta else []) + \
+      (["is_weights"] if gc.is_kind != "none" else [])
+  batch = {"tokens": rows_of((rows, seq), np.int32), "adv": rows_of((rows,), np.float32),
+           **{k: rows_of((rows, seq - 1), np.float32) for k in per_token}}
+  if learner.fp8_kv:
+    rep = jax.sharding.NamedSharding(learner.mesh, jax.sharding.PartitionSpec())
+    batch["kv_scales"] = tuple(S((learner.cfg.n_layers,), np.float32, sharding=rep) for _ in range(2))
+  return state, batch
+
+
+def compile_train_step(learner, rows: int, seq: int) -> dict:
+  """The memory analysis of ``learner.train_step`` compiled for a minibatch of ``rows`` x ``seq``."""
+  return memory_analysis(learner.train_step.lower(*train_step_args(learner, rows, seq)).compile())
+
+
+def rollout_args(sampler, sample_recipe, param_shapes, *, prompts: int, samples: int, bucket: int,
+                 max_new_tokens: int):
+  """(runner, sampler weights, prompts, KV scales, requests, decode state, layout) of one device's share of a
+  ``generate`` call, abstract: what its prefill and decode programs take (``Sampler._run_one``; data-parallel
+  rollouts run the one-device sampler on each device's share, ``Sampler._local``)."""
+  S, i32 = jax.ShapeDtypeStruct, np.int32
+  d = sampler.rollout_devices()
+  runner = sampler if d == 1 else sampler._local()
+  lay, _ = sampler.device_pool(prompts, bucket, max_new_tokens)
+  refit = jax.eval_shape(functools.partial(sampler_lib.prepare_params, recipe=sample_recipe), param_shapes)
+  if sharding.multi_device(runner.lcfg.mesh):  # one SPMD program over the mesh (nothing fuses there)
+    sparams = jax.tree.map(lambda x, s: S(x.shape, x.dtype, sharding=s), refit,
+                           sharding.tree_shardings(refit, runner.lcfg.mesh))
+  else:
+    sparams = runner.fuse_projections_shape(jax.tree.map(lambda x: S(x.shape, x.dtype), refit))
+  n_layers, r = sampler.cfg.n_layers, lay.n_prompts * samples
+  toks = S((lay.n_prompts, bucket), i32)
+  scales = (S((n_layers,), np.float32), S((n_layers,), np.float32))
+  rq = sampler_lib._Requests(prompt_of_req=S((r,), i32), prompt_len=S((lay.n_prompts,), i32),
+                             last_tok=S((lay.n_prompts,), i32), n_req=S((), i32), req_offset=S((), i32))
+  kv = runner.scfg.kv_cache
+
+  def start(p, t, ks, vs, q):
+    cache, _ = runner._prefill_fn(p, t, ks, vs, lay, kv)
+    return runner._take(sampler_lib._new_state(cache, lay.slots, r, max_new_tokens), q, lay, lay.slots)
+
+  state = jax.eval_shape(start, sparams, toks, *scales, rq)
+  return runner, sparams, toks, scales, rq, state, lay
+
+
+def compile_rollout(sampler, sample_recipe, param_shapes, sp, *, prompts: int, samples: int, bucket: int,
+                    max_new_tokens: int) -> dict:
+  """Memory analyses of one device's prefill and decode-loop programs, and the decode state's bytes beyond the KV
+  pool (the per-request outputs, slot vectors)."""
+  runner, sparams, toks, (ks, vs), rq, state, lay = rollout_args(
+      sampler, sample_recipe, param_shapes, prompts=prompts, samples=samples, bucket=bucket,
+      max_new_tokens=max_new_tokens)
+  kv = runner.scfg.kv_cache
+  prefill = memory_analysis(type(runner)._prefill.lower(runner, sparams, toks, ks, vs, lay, kv).compile())
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  static_sp = dataclasses.replace(sp, seed=0, max_new_tokens=max_new_tokens)
+  decode = memory_analysis(type(runner)._decode.lower(runner, sparams, state, rq, lay, static_sp,
+                                                      runner.scfg.decode_chunk, key).compile())
+  pool = runner._pool_bytes(lay)
+  return {"prefill": prefill, "decode": decode, "decode_state_beyond_pool": tree_bytes(state) - pool}
 
 
 def plan(learner, sampler, sample_recipe, *, prompts: int, samples: int, prompt_len: int, max_new_tokens: int,
-         microbatch: int) -> MemoryPlan:
+         microbatch: int, sp=None, temporaries: bool = True, target: str | None = None) -> MemoryPlan:
   """The plan of a run whose learner and sampler are these, for a step of ``prompts`` x ``samples`` rollouts of
   prompts up to ``prompt_len`` tokens (the largest bucket) and ``max_new_tokens``, trained in microbatches of
-  ``microbatch`` sequences."""
+  ``microbatch`` sequences (``learner.gc.microbatch``: the compiled step's). ``sp``: the rollouts' sampling
+  parameters (top-k / top-p change the decode program); default temperature 1. ``temporaries=False`` leaves XLA's
+  part out (no compiles). ``target``: the backend the run will use ("gpu"), when it is not this process's (planning
+  GPUs on the CPU): the temporaries, compiled for this backend, are then shown but not checked (``estimates``)."""
+  del microbatch  # the compiled train step's own (learner.gc)
   kl = bool(learner.gc.kl_beta)
   state = learner.abstract_state(kv=False, ref=kl)
   rows = {"master params (FP32)": tree_bytes(state.params), "optimizer state": tree_bytes(state.opt_state)}
-  if kl:
+  lora = getattr(learner, "lora", None)
+  if lora is not None:  # LoRA: the trained params are the adapters; the frozen base (no master) beside them
+    rows = {"LoRA adapters (FP32)": rows.pop("master params (FP32)"), **rows,
+            "LoRA base (frozen: FP8 codes / BF16)": tree_bytes(state.base)}
+  host = {}
+  if learner.oc.offload != "none":  # in host memory between steps: not the device's
+    host = {f"{k} ({learner.oc.offload})": rows.pop(k) for k in list(rows)}
+  if kl and lora is None:  # (LoRA: the reference is the base)
     rows["KL reference (trainer's form)"] = tree_bytes(state.ref_params)
 
   # the sampler's weights: the refit's shapes, sharded as the refit leaves them or whole per rollout device
@@ -95,18 +233,49 @@ def plan(learner, sampler, sample_recipe, *, prompts: int, samples: int, prompt_
   else:
     weights = tree_bytes(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), refit,
                                       sharding.tree_shardings(refit, learner.mesh)))
-  _, pool = sampler.device_pool(prompts, sampler.scfg.bucket(prompt_len), max_new_tokens)
-  rollout = {"sampler weights": weights, "KV cache pool": pool}
+  if lora is not None:  # the sampler runs the state's own base (a copy only when gathered whole per rollout device)
+    weights = tree_bytes(state.params) // 2 + (weights if sampler.rollout_devices() > 1 else 0)  # + BF16 adapters
+  bucket = sampler.scfg.bucket(prompt_len)
+  _, pool = sampler.device_pool(prompts, bucket, max_new_tokens)
+  grads = tree_bytes(state.params)
+  mesh = {a: int(s) for a, s in learner.mesh.shape.items()}
+  if not temporaries:
+    return MemoryPlan(mesh=mesh, state=rows, rollout={"sampler weights": weights, "KV cache pool": pool},
+                      train={"gradients (FP32 accumulator)": grads}, kv_cache=sampler.scfg.kv_cache, host=host)
 
-  batch_devices = math.prod(learner.mesh.shape[a] for a in ("data", "fsdp", "expert") if a in learner.mesh.shape)
-  rows_per_device = -(-min(microbatch, prompts * samples) // batch_devices)
-  seq = prompt_len + max_new_tokens
-  cfg = learner.cfg
-  ckpt = cfg.n_layers * rows_per_device * seq * cfg.dim * np.dtype(cfg.dtype).itemsize
-  train = {"gradients (FP32 accumulator)": rows["master params (FP32)"],
-           "remat checkpoints (a microbatch)": ckpt}
-  return MemoryPlan(mesh={a: int(s) for a, s in learner.mesh.shape.items()}, state=rows, rollout=rollout,
-                    train=train, estimates=("remat checkpoints (a microbatch)",), kv_cache=sampler.scfg.kv_cache)
+  # XLA's part: the programs compiled at the run's shapes (at depths 1 and 2 where the layers are alike)
+  n_layers, gc = learner.cfg.n_layers, learner.gc
+  sp = sp or sampler_lib.SamplingParams(max_new_tokens=max_new_tokens)
+  seq = bucket + max_new_tokens  # the trainer's sequences: the prompt bucket + the completion (Rollout.sequences)
+  minibatch = gc.batch // gc.minibatches
+  alike_train = layers_alike(learner.cfg, learner.policy.recipe)
+  alike_rollout = layers_alike(sampler.cfg, sample_recipe)
+  train_at, prefill_at, decode_at = {}, {}, {}
+  for k in compiled_depths(n_layers, alike_train):
+    train_at[k] = compile_train_step(learner if k == n_layers else learner.at_depth(k), minibatch, seq)
+  for k in compiled_depths(n_layers, alike_rollout):
+    s_k = sampler if k == n_layers else sampler_lib.Sampler(dataclasses.replace(sampler.cfg, n_layers=k),
+                                                            sampler.scfg, sampler.lcfg)
+    p_k = learner.param_shapes() if k == n_layers else learner.at_depth(k).param_shapes()
+    got = compile_rollout(s_k, sample_recipe, p_k, sp, prompts=prompts, samples=samples, bucket=bucket,
+                          max_new_tokens=max_new_tokens)
+    prefill_at[k], decode_at[k] = got["prefill"], got["decode"]
+  *_, dstate, _ = rollout_args(sampler, sample_recipe, learner.param_shapes(), prompts=prompts, samples=samples,
+                               bucket=bucket, max_new_tokens=max_new_tokens)
+  train_c, prefill_c, decode_c = (at_depth(a, n_layers) for a in (train_at, prefill_at, decode_at))
+  decode_extra = tree_bytes(dstate) - pool
+  rollout = {"sampler weights": weights, "KV cache pool": pool,
+             ROLLOUT_TEMPS: max(prefill_c["temp"], decode_c["temp"] + decode_extra)}
+  train = {"gradients (FP32 accumulator)": grads, TRAIN_TEMPS: max(train_c["temp"] - grads, 0),
+           "train batch": tree_bytes(train_step_args(learner, minibatch, seq)[1])}
+  depths = lambda a: sorted(a)  # noqa: E731
+  other = target is not None and target != jax.default_backend()
+  compiled = {"backend": jax.default_backend(),
+              "train_step": dict(train_c, depths=depths(train_at), rows=minibatch, seq=seq),
+              "prefill": dict(prefill_c, depths=depths(prefill_at)),
+              "decode": dict(decode_c, depths=depths(decode_at), state_beyond_pool=decode_extra)}
+  return MemoryPlan(mesh=mesh, state=rows, rollout=rollout, train=train, kv_cache=sampler.scfg.kv_cache, host=host,
+                    compiled=compiled, estimates=(ROLLOUT_TEMPS, TRAIN_TEMPS) if other else ())
 
 
 def allocator_stats(device=None):
@@ -155,20 +324,26 @@ def device_limit() -> int | None:
 
 
 def check(p: MemoryPlan, limit: int | None) -> None:
-  """Raises a ValueError naming the config keys to change when the plan's exact part does not fit ``limit`` bytes
+  """Raises a ValueError naming the config keys to change when a phase of the plan (its exact buffers and the
+  compiled programs' temporaries, unless compiled for another backend: ``estimates``) does not fit ``limit`` bytes
   per device (no check when ``limit`` is None)."""
   if limit is None or p.peak(exact_only=True) <= limit:
     return
   phase = "rollout" if p.phase("rollout", exact_only=True) >= p.phase("train", exact_only=True) else "train"
   need = p.phase(phase, exact_only=True)
-  parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in {**p.state, **getattr(p, phase)}.items()
-                    if k not in p.estimates)
+  parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in {**p.state, **getattr(p, phase)}.items() if k not in p.estimates)
   devices = math.prod(p.mesh.values())
   hint = ("shard the state over more devices (mesh.fsdp; the master params and Adam moments take 12 bytes per "
           "parameter)" if devices == 1 or p.mesh.get("fsdp", 1) < devices else "use more devices (mesh.fsdp)")
+  if not p.host:
+    hint += ("; optim.state_dtype='bfloat16' (Adam moments in BF16: 4 bytes per parameter less), optim.offload="
+             "'pinned_host' (master and moments in host memory between steps)")
   if phase == "rollout":
-    hint += ", or a smaller KV pool (rollout.slots, rollout.max_new_tokens, grpo.num_prompts" + (
-        "" if p.kv_cache == "fp8" else "; fp8.kv_cache='fp8' halves it") + ")"
-  raise ValueError(f"this run needs {need / GIB:.1f} GiB per device in its {phase} phase before any activations "
-                   f"({parts}; GiB) on a mesh of {devices} device(s) {p.mesh}, but a device has {limit / GIB:.1f} "
-                   f"GiB: {hint}. scripts/plan_memory.py prints the whole plan.")
+    hint += "; or a smaller KV pool and decode batch (rollout.slots, rollout.max_new_tokens, grpo.num_prompts" + (
+        "" if p.kv_cache == "fp8" else "; fp8.kv_cache='fp8' halves the pool") + ")"
+  else:
+    hint += ("; or fewer activations per microbatch (grpo.microbatch, model.remat=True, rollout.max_new_tokens), "
+             "or train adapters only (lora.rank)")
+  raise ValueError(f"this run needs {need / GIB:.1f} GiB per device in its {phase} phase ({parts}; GiB) on a mesh "
+                   f"of {devices} device(s) {p.mesh}, but a device has {limit / GIB:.1f} GiB: {hint}. "
+                   f"scripts/plan_memory.py prints the whole plan.")
