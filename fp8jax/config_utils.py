@@ -30,7 +30,7 @@ def override(config, overrides: dict, who: str):
 
 
 def smoke_shape(c, layers: int, slots: int = 128):
-  """A recipe config at its full width but ``layers`` deep, in the GRPO smoke's shape (docs/benchmarks.md: 16 prompts
+  """A recipe config at its full width but ``layers`` deep, in the GRPO smoke's shape (docs/performance.md: 16 prompts
   x 8 samples of the embedded arithmetic task, 64-token sequences, 16 new tokens, microbatch 32; KL off): what
   scripts/check_loop_exactness.py and scripts/bench_grpo_step.py build from a config file, random weights."""
   with c.unlocked():

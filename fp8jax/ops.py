@@ -12,6 +12,8 @@ type of ``w`` (chosen by the recipe in ``fp8jax.quant``), never on who calls it:
                                       (dw in FP32, the master weights' dtype; it flows to ``w``)
 * ``QWeight(q, scale)`` (sampling) -> the same forward on weights quantized beforehand by ``quantize_params``.
   ``quantize_weight`` is deterministic, so the FP8Weight and QWeight forwards are bitwise the same computation.
+* ``lora.LoRAWeight(base, a, b)``  -> LoRA: the frozen base in its own mode (QWeight or BF16) plus the low-rank
+                                      adapters in BF16 mode (``fp8jax.lora.lora_linear`` defines the roundings).
 
 ``grouped_linear(x, w, group_sizes, cfg)`` is the mixture-of-experts form (rows sorted by group, w stacked (E, N, K),
 same three modes); each group's results are bitwise ``linear`` on its rows alone. ``grouped_linear_tiles`` is the
@@ -141,6 +143,8 @@ def resolve_bf16_backend(requested: str) -> str:
 def linear_backend(w, requested: str) -> str:
   """The backend ``linear`` runs weight ``w`` on: the FP8 GEMM's for an FP8 weight (``QWeight`` / ``FP8Weight``),
   the BF16 GEMM's otherwise."""
+  if isinstance(w, _lora().LoRAWeight):  # the base's GEMM (the low-rank GEMMs are BF16 mode)
+    w = w.base
   if isinstance(w, (quant.QWeight, quant.FP8Weight)):
     return resolve_backend(requested)
   return resolve_bf16_backend(requested)
@@ -421,8 +425,19 @@ def _refuse_complex(op: str, x, w):
 PARALLEL_STYLES = (None, "column", "row")
 
 
-def linear(x: jax.Array, w, cfg: LinearConfig = LinearConfig(), parallel: str | None = None) -> jax.Array:
-  """``x_...xK . w^T`` for ``w`` stored (N, K); FP8 or BF16 by the type of ``w`` (module docstring).
+def _lora():
+  from fp8jax import lora  # noqa: PLC0415 (lora's op is built of linear calls: imported here, not at the top)
+  return lora
+
+
+def linear(x: jax.Array, w, cfg: LinearConfig = LinearConfig(), parallel: str | None = None, *,
+           bias: jax.Array | None = None) -> jax.Array:
+  """``x_...xK . w^T (+ bias)`` for ``w`` stored (N, K); FP8 or BF16 by the type of ``w`` (module docstring).
+
+  ``bias`` (N,) (Qwen2's q/k/v projections): the GEMM then writes its FP32 accumulator, the bias is added to it
+  in FP32 and the sum rounded once to ``cfg.out_dtype``. The bias is first rounded to BF16, as BF16-mode weights
+  are, so that the trainer's FP32 master and the sampler's BF16 copy add the same values (one engine). Without a
+  bias the op is as before, bit for bit.
 
   ``parallel``: the layer's tensor-parallel style on a mesh with a "tensor" axis ("column" | "row", the parameter
   schema's ``PARALLEL``; ``_placement`` says what each does), or None. It changes where the kernels run, and for
@@ -443,8 +458,17 @@ def linear(x: jax.Array, w, cfg: LinearConfig = LinearConfig(), parallel: str | 
   n = w.shape[0]
   if w.shape[-1] != k:
     raise ValueError(f"linear: x has K={k} (shape {tuple(x.shape)}) but weight is {tuple(w.shape)} (stored (N, K))")
+  if bias is not None and tuple(bias.shape) != (n,):
+    raise ValueError(f"linear: bias must be (N,) = ({n},) for weight {tuple(w.shape)} (stored (N, K)), got shape "
+                     f"{tuple(bias.shape)}")
   if math.prod(lead) == 0:  # no rows: nothing to quantize (a 1x128 group of no tokens has no scale)
     return jnp.zeros((*lead, n), cfg.out_dtype)
+  lora = _lora()
+  if isinstance(w, lora.LoRAWeight):  # frozen base + low-rank adapters: fp8jax.lora's op, itself made of linears
+    return lora.lora_linear(x, w, cfg, parallel, bias=bias)
+  out_dtype = cfg.out_dtype
+  if bias is not None:  # the GEMM's FP32 accumulator, rounded once after the bias add below
+    cfg = dataclasses.replace(cfg, out_dtype="float32")
   x_MxK = x.reshape(-1, k)
   if isinstance(w, quant.FP8Weight):
     y = _linear_fp8_master(x_MxK, w.w, cfg)
@@ -452,6 +476,8 @@ def linear(x: jax.Array, w, cfg: LinearConfig = LinearConfig(), parallel: str | 
     y = _linear_fp8_frozen(x_MxK, w, cfg)
   else:
     y = _linear_bf16(x_MxK, w, cfg)
+  if bias is not None:
+    y = (y + bias.astype(jnp.bfloat16).astype(jnp.float32)).astype(out_dtype)
   return y.reshape(*lead, y.shape[-1])
 
 

@@ -56,7 +56,7 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
 def _leaf_name(path) -> str:
   for k in reversed(path):
     name = getattr(k, "key", getattr(k, "name", None))
-    if isinstance(name, str) and name not in ("q", "scale", "w", "mu", "nu"):
+    if isinstance(name, str) and name not in ("q", "scale", "w", "mu", "nu", "base"):  # base: a LoRAWeight's
       return name
   return ""
 

@@ -1,7 +1,7 @@
 """GRPO step time at a recipe's full width and a reduced depth: several recipes side by side in one process.
 
   python scripts/bench_grpo_step.py --configs configs/qwen3_30b_a3b_fp8.py,configs/qwen3_30b_a3b_bf16.py \
-      --layers 2 --steps 5 --out docs/results/moe_grpo_step_h200.json
+      --layers 2 --steps 5 --out grpo_step_qwen3_30b_smoke.json
 
 Each config is built at the GRPO smoke's shape (``config_utils.smoke_shape``: random weights, 16 prompts x 8 samples
 of the embedded arithmetic task, 64-token sequences, 16 new tokens, microbatch 32, KL off) and runs ``--steps`` RL
@@ -29,7 +29,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import fp8jax  # noqa: E402,F401  (before jax: XLA flags)
+import fp8jax  # noqa: E402
+
+fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -70,9 +72,11 @@ def run_config(path: str, a) -> dict:
     rows.append({k: float(m[k]) for k in KEYS if k in m})
     print(json.dumps({"config": path, "step": step + 1, **rows[-1]}), flush=True)
   steady = rows[1:] or rows
-  out = {"config": path, "mode": c.fp8.mode, "kv_cache": c.fp8.kv_cache, "build_and_run_s": time.perf_counter() - t0,
+  plan = tr.memory_plan  # the trainer's own (on a GPU: with the compiled programs' temporaries), beside the peak
+  out = {"config": path, "mode": c.fp8.mode, "kv_cache": c.fp8.kv_cache, "lora_rank": int(c.get("lora", {}).get(
+             "rank", 0)), "build_and_run_s": time.perf_counter() - t0,
          "rows": rows, "median": {k: float(np.median([r[k] for r in steady if k in r])) for k in KEYS},
-         "peak_gib": peak_gib()}
+         "peak_gib": peak_gib(), "plan_peak_gib": plan.peak() / 2**30, "plan": plan.to_json()}
   del tr
   gc.collect()
   jax.clear_caches()
@@ -94,13 +98,14 @@ def main():
   results = [run_config(p, a) for p in a.configs.split(",")]
   base = results[0]["median"]["step_s"]
   print("\n| config | mode | KV | step s | rollout s | train s | requant s | gen tok/s | token_mult_prob_error "
-        "| peak GiB per device so far | step s / first's |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+        "| peak GiB per device so far | planned GiB | step s / first's |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   for r in results:
     m = r["median"]
     print(f"| {os.path.basename(r['config'])} | {r['mode']} | {r['kv_cache']} | {m['step_s']:.3f} | "
           f"{m['rollout_s']:.3f} | {m['train_s']:.3f} | {m['requant_s']:.3f} | {m['gen_tokens_per_s']:.0f} | "
-          f"{m['token_mult_prob_error']:.6f} | {r['peak_gib'] or float('nan'):.1f} | {m['step_s'] / base:.2f} |")
+          f"{m['token_mult_prob_error']:.6f} | {r['peak_gib'] or float('nan'):.1f} | {r['plan_peak_gib']:.1f} | "
+          f"{m['step_s'] / base:.2f} |")
   if a.out:
     dev = jax.devices()[0]
     with open(a.out, "w") as f:

@@ -8,6 +8,8 @@
   kv_scales     (k_scale_L, v_scale_L): the FP8 KV-cache scales of the next rollout (FP8 KV cache only, else None)
   ref_params    the frozen KL reference policy, in the trainer's form of the weights (grpo.kl_beta > 0, else None)
   prompt_batch  prompt batches drawn so far: the task's data position (``fp8jax.rl.source``, rule 1)
+  base          LoRA only (``fp8jax.lora``): the frozen base, which ``params`` (then the FP32 adapters) attach to;
+                not saved (re-made from the config, checked by checksum on resume)
 
 ``kv_scales`` and ``ref_params`` are None until RL starts (``Learner.start_rl``: calibrated on prompt batch 0 /
 frozen from the policy RL starts from). Derived, not stored: the sampler's weights (``RolloutWorker.refit`` of
@@ -34,7 +36,8 @@ import numpy as np
 import optax
 
 import fp8jax
-from fp8jax import kvcache, ops, recipes, sharding
+from fp8jax import kvcache, ops, optim, recipes, sharding
+from fp8jax import lora as lora_lib
 from fp8jax import sampler as sampler_lib
 from fp8jax.model import llama, moe, schema
 from fp8jax.model.config import ModelConfig
@@ -109,6 +112,18 @@ class OptimConfig:
   b2: float = 0.99
   eps: float = 1e-8
   grad_clip: float = 1.0
+  # Adam's moments: "float32" (optax.adamw) or "bfloat16" (stored rounded, FP32 math: fp8jax.optim); the master
+  # weights stay FP32 either way.
+  state_dtype: str = "float32"
+  # Where the FP32 master and the optimizer state live between train steps: "none" (the device) or "pinned_host"
+  # (host memory, moved to the device inside the train step: fp8jax.optim).
+  offload: str = "none"
+
+  def __post_init__(self):
+    if self.state_dtype not in optim.STATE_DTYPES:
+      raise ValueError(f"optim.state_dtype={self.state_dtype!r} is not one of {optim.STATE_DTYPES}")
+    if self.offload not in optim.OFFLOADS:
+      raise ValueError(f"optim.offload={self.offload!r} is not one of {optim.OFFLOADS}")
 
 
 def make_optimizer(oc: OptimConfig, total_steps: int, decay_mask=None):
@@ -124,8 +139,12 @@ def make_optimizer(oc: OptimConfig, total_steps: int, decay_mask=None):
                                                end_value=oc.lr * oc.min_lr_ratio)
   else:
     raise ValueError(f"optim.schedule={oc.schedule!r} is not 'constant', 'warmup_constant' or 'cosine'")
-  tx = optax.chain(optax.clip_by_global_norm(oc.grad_clip) if oc.grad_clip > 0 else optax.identity(),
-                   optax.adamw(sched, b1=oc.b1, b2=oc.b2, eps=oc.eps, weight_decay=oc.weight_decay, mask=decay_mask))
+  if oc.state_dtype == "float32":
+    adam = optax.adamw(sched, b1=oc.b1, b2=oc.b2, eps=oc.eps, weight_decay=oc.weight_decay, mask=decay_mask)
+  else:  # the same chain with the moments stored narrower (fp8jax.optim: the rounding)
+    adam = optim.adamw_stored(sched, b1=oc.b1, b2=oc.b2, eps=oc.eps, weight_decay=oc.weight_decay, mask=decay_mask,
+                              state_dtype=oc.state_dtype)
+  tx = optax.chain(optax.clip_by_global_norm(oc.grad_clip) if oc.grad_clip > 0 else optax.identity(), adam)
   return tx, sched
 
 
@@ -139,6 +158,10 @@ class TrainState:
   kv_scales: tuple[jax.Array, jax.Array] | None = None  # FP8 KV scales of the next rollout, (L,) each
   ref_params: Any = None  # the frozen KL reference policy (trainer-form weights)
   prompt_batch: jax.Array | None = None  # () int32 prompt batches drawn (the data position)
+  # LoRA (lora.rank > 0): the frozen base in the recipe's form (QWeights, BF16 rest), which ``params`` (then the
+  # adapters alone) attach to. Never saved: it is re-made from the config and named by its checksum in the
+  # checkpoint's metadata (RLTrainer._meta). Passed through the donated train step unchanged (aliased, not copied).
+  base: Any = None
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -153,12 +176,18 @@ class Policy:
   lcfg: ops.LinearConfig
   recipe: recipes.Recipe
   temperature: float = 1.0
+  lora: lora_lib.LoRAConfig | None = None  # LoRA runs: the adapters' rank, alpha and targets
+
+  def weights(self, params, base=None):
+    """The model's weights of trained ``params``: themselves, or (LoRA, ``base`` the frozen base) the base with the
+    adapters ``params`` attached (``fp8jax.lora.attach``: no copy)."""
+    return params if base is None else lora_lib.attach(base, params, self.lora)
 
   def logprobs(self, params, tokens_BxL, kv_scales=None, router_mask_BxL=None):
     """Log-probs (B, L-1) of each next token, entropy, ForwardAux: ``llama.next_token_logprobs`` with the FP8 layers
     of ``recipe`` quantized on the fly (``params`` master weights), or already quantized (QWeights, the frozen
     reference: ``mark_fp8`` keeps them). The one place the trainer turns weights into log-probs (the losses, the
-    mismatch and reference passes, ``fp8jax.one_engine``)."""
+    mismatch and reference passes, ``fp8jax.diagnostics.one_engine``)."""
     return llama.next_token_logprobs(recipes.mark_fp8(params, self.recipe), tokens_BxL, self.cfg, self.lcfg,
                                      temperature=self.temperature, kv_scales=kv_scales, router_mask_BxT=router_mask_BxL)
 
@@ -266,7 +295,12 @@ def train_step(state: TrainState, batch: dict, *, loss: Loss, policy: Policy, tx
   n_seq = jnp.maximum(jnp.sum(jnp.any(batch["mask"] > 0, axis=-1)), 1.0)
   kv_scales = batch.pop("kv_scales", None)
   micro = jax.tree.map(lambda x: x.reshape(n_micro, mb, *x.shape[1:]), batch)
-  grad_fn = jax.value_and_grad(functools.partial(loss.fn, policy), has_aux=True)
+  # LoRA: the gradient is of the adapters alone (``state.params``); the frozen base is a constant of the loss, so no
+  # weight gradient of it is ever formed (its FP8 linears run ops' frozen-weight VJP: dgrad only).
+  grad_fn = jax.value_and_grad(lambda p, *a: loss.fn(policy, policy.weights(p, state.base), *a), has_aux=True)
+  # With optim.offload the master and the moments come from host memory: the master to the device for the whole
+  # step, the moments for the update only (fp8jax.optim; where they already are, this compiles to nothing).
+  state = dataclasses.replace(state, params=optim.to_device(state.params))
 
   def body(acc, mbatch):
     if kv_scales is not None:
@@ -277,7 +311,7 @@ def train_step(state: TrainState, batch: dict, *, loss: Loss, policy: Policy, tx
 
   zeros = jax.tree.map(jnp.zeros_like, state.params)
   (grads, loss_sum), (ms, k_amax, v_amax) = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  updates, opt_state = tx.update(grads, optim.to_device(state.opt_state), state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = loss.combine(ms)
   metrics.update(loss=loss_sum, grad_norm=optax.tree.norm(grads))  # the loss the gradient is of, summed in order
@@ -300,16 +334,22 @@ class Learner:
 
   ``kv_state``: whether the RL state carries FP8 KV scales (the sampler's cache is FP8); ``temperature``: the
   rollouts' (the trainer's log-probs are those of the same distribution); ``warmstart``: (steps, batch, lr) of the
-  supervised warm start, or steps 0.
+  supervised warm start, or steps 0. ``lora``: a LoRA run's config (rank > 0): the state's params are then the
+  adapters, its ``base`` the frozen base (``init_state``), the optimizer the adapters' and the KL reference the base.
   """
 
   def __init__(self, *, cfg: ModelConfig, lcfg: ops.LinearConfig, recipe: recipes.Recipe, gc: GRPOConfig,
                oc: OptimConfig, mesh, total_steps: int, temperature: float, kv_state: bool, kv_margin: float,
-               warmstart=(0, 1, 0.0)):
-    self.cfg, self.gc, self.mesh = cfg, gc, mesh
-    self.policy = Policy(cfg, lcfg, recipe, temperature)
+               warmstart=(0, 1, 0.0), lora: lora_lib.LoRAConfig | None = None):
+    self.cfg, self.gc, self.oc, self.mesh, self.kv_state = cfg, gc, oc, mesh, kv_state
+    self.lora = lora if lora is not None and lora.enabled else None
+    # what ``at_depth`` rebuilds the learner from (the memory plan's compiled steps; no warm start there)
+    self._kwargs = dict(lcfg=lcfg, recipe=recipe, gc=gc, oc=oc, mesh=mesh, total_steps=total_steps,
+                        temperature=temperature, kv_state=kv_state, kv_margin=kv_margin, lora=self.lora)
+    self.policy = Policy(cfg, lcfg, recipe, temperature, self.lora)
     self.kv_margin = float(kv_margin)
-    self.tx, self.lr_schedule = make_optimizer(oc, total_steps, schema.decay_mask(cfg))
+    # (LoRA: every adapter is trainable, so no decay mask)
+    self.tx, self.lr_schedule = make_optimizer(oc, total_steps, None if self.lora else schema.decay_mask(cfg))
     self._rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     # The frozen KL reference is scored by the trainer, so it takes the trainer's form of the weights.
     self._freeze = functools.partial(sampler_lib.refit, recipe=recipe)
@@ -324,12 +364,16 @@ class Learner:
       # the warm start's log-probs are those of temperature 1.
       self.sft_tx = make_optimizer(OptimConfig(lr=float(ws_lr), b2=0.999, weight_decay=0.0, grad_clip=1.0),
                                    int(ws_steps))[0]
-      self._sft_state_sh = self.state_shardings(self.sft_tx, kv=False, ref=False)
+      self._sft_state_sh = self.state_shardings(self.sft_tx, kv=False, ref=False, lora=False)
       self.sft_step = fp8jax.jit(functools.partial(
           train_step, loss=LOSSES["sft"], policy=dataclasses.replace(self.policy, temperature=1.0),
           tx=self.sft_tx, gc=gc, microbatch=int(ws_batch)), donate_argnums=(0,),
           out_shardings=(self._sft_state_sh, self._rep))
     self.logprobs = fp8jax.jit(self.policy.logprobs)
+
+  def at_depth(self, n_layers: int) -> "Learner":
+    """This learner for the same model ``n_layers`` deep (``fp8jax.rl.memory``'s per-layer compiled temporaries)."""
+    return Learner(cfg=dataclasses.replace(self.cfg, n_layers=n_layers), **self._kwargs)
 
   @property
   def fp8_kv(self) -> bool:
@@ -345,6 +389,13 @@ class Learner:
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), llama.param_shapes(self.cfg),
                         is_leaf=lambda x: isinstance(x, tuple))
 
+  def trained_shapes(self, lora: bool | None = None):
+    """The trained params (``TrainState.params``) as FP32 ShapeDtypeStructs: the master params, or (LoRA) the
+    adapters. ``lora``: None (this learner's kind) or False (full params: the warm start)."""
+    if self.lora is not None and lora is not False:
+      return lora_lib.adapter_shapes(self.cfg, self.lora)
+    return self.param_shapes()
+
   def _ref_shapes(self):
     """The frozen reference's shapes (``_freeze`` of the master params; jax.eval_shape traces the unjitted one)."""
     return jax.eval_shape(functools.partial(sampler_lib.prepare_params, recipe=self.policy.recipe),
@@ -353,27 +404,35 @@ class Learner:
   def abstract_state(self, *, kv: bool, ref: bool) -> TrainState:
     """ShapeDtypeStructs with shardings of a TrainState (with or without KV scales / reference): restore targets."""
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    shapes = self.param_shapes()
+    ref = ref and self.lora is None  # (LoRA: the reference is the base, no frozen copy)
+    shapes = self.trained_shapes()
     layers = jax.ShapeDtypeStruct((self.cfg.n_layers,), jnp.float32)
     state = TrainState(shapes, jax.eval_shape(self.tx.init, shapes), scalar, (layers, layers) if kv else None,
-                       self._ref_shapes() if ref else None, scalar)
+                       self._ref_shapes() if ref else None, scalar, self._ref_shapes() if self.lora else None)
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state,
                         self.state_shardings(self.tx, kv=kv, ref=ref))
 
-  def state_shardings(self, tx, *, kv: bool, ref: bool) -> TrainState:
+  def state_shardings(self, tx, *, kv: bool, ref: bool, lora: bool | None = None) -> TrainState:
     """Shardings of a whole TrainState under ``tx``, from shapes alone.
 
     The state goes in and out of the train step with exactly these shardings (initial state placed with them, the
     step's outputs pinned to them), so the second step does not recompile: left to itself, XLA picks output
     shardings that differ from the inputs' (seen: row-parallel weights' moments, unplaced scalars), and a changed
     input sharding is a new program — a second full compile of the 8B train step. Scalars and KV scales replicated.
+    LoRA (``lora`` None: this learner's kind): the adapters (replicated: no sharding rule names them) and the base.
     """
-    shapes = self.param_shapes()
+    shapes = self.trained_shapes(lora)
+    base = self.lora is not None and lora is not False
+    ref = ref and not base  # (LoRA: the reference is the base, no frozen copy)
     rep = self._rep
-    return TrainState(sharding.tree_shardings(shapes, self.mesh),
-                      sharding.tree_shardings(jax.eval_shape(tx.init, shapes), self.mesh), rep,
+    # optim.offload: the master and the optimizer state in host memory between steps (fp8jax.optim)
+    kind = (lambda t: jax.tree.map(lambda s: s.with_memory_kind(self.oc.offload), t)) \
+        if self.oc.offload != "none" else (lambda t: t)
+    return TrainState(kind(sharding.tree_shardings(shapes, self.mesh)),
+                      kind(sharding.tree_shardings(jax.eval_shape(tx.init, shapes), self.mesh)), rep,
                       (rep, rep) if kv else None,
-                      sharding.tree_shardings(self._ref_shapes(), self.mesh) if ref else None, rep)
+                      sharding.tree_shardings(self._ref_shapes(), self.mesh) if ref else None, rep,
+                      sharding.tree_shardings(self._ref_shapes(), self.mesh) if base else None)
 
   # -- states -------------------------------------------------------------------------------------------------------
 
@@ -383,9 +442,27 @@ class Learner:
     arrays already placed so become the state's own buffers (no copy), which the first step donates."""
     tx = tx or self.tx
     params = jax.device_put(params, sharding.tree_shardings(params, self.mesh))
-    sh = self.state_shardings(tx, kv=False, ref=False)
+    lora = self.lora is not None and tx is self.tx
+    sh = self.state_shardings(tx, kv=False, ref=False, lora=lora)
     step, prompt_batch = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)  # two buffers: both are donated
-    return jax.device_put(TrainState(params, tx.init(params), step, None, None, prompt_batch), sh)
+    base = None
+    if lora:
+      # LoRA: the base quantized once into the recipe's form (what the sampler runs too) and the full-precision
+      # params dropped (the caller's reference is the last); fresh adapters with b = 0 (the model is the base).
+      base, params = self._freeze(params), lora_lib.init_adapters(self.cfg, self.lora)
+    return jax.device_put(TrainState(params, tx.init(params), step, None, None, prompt_batch, base), sh)
+
+  def weights(self, state: TrainState):
+    """The model's weights of ``state`` (in device memory): its params, or (LoRA) the base with the adapters attached
+    (the refit's, the mismatch pass's and ``Policy.weights``'s form)."""
+    return self.policy.weights(self.device_params(state), state.base)
+
+  def device_params(self, state: TrainState):
+    """The master params in device memory: ``state.params`` itself, or with optim.offload a device copy, which the
+    caller drops after use (the refit, the log-prob passes, the reference freeze)."""
+    if self.oc.offload == "none":
+      return state.params
+    return jax.device_put(state.params, sharding.tree_shardings(state.params, self.mesh))
 
   def replicated(self, x):
     """``x`` on every device of the mesh (scalars and KV scales: the sharding the steps pin them to)."""
@@ -394,9 +471,16 @@ class Learner:
   def with_kv_scales(self, state: TrainState, scales) -> TrainState:
     return dataclasses.replace(state, kv_scales=tuple(self.replicated(jnp.asarray(s, jnp.float32)) for s in scales))
 
+  def reference(self, state: TrainState):
+    """The KL reference's weights: the frozen copy (``with_reference``), or (LoRA) the base itself."""
+    return state.base if self.lora is not None else state.ref_params
+
   def with_reference(self, state: TrainState) -> TrainState:
-    """Freezes the current policy as the KL reference (the trainer's form of its weights, the mesh's shardings)."""
-    ref = self._freeze(state.params)
+    """Freezes the current policy as the KL reference (the trainer's form of its weights, the mesh's shardings).
+    LoRA: nothing to freeze, the reference is the base (adapters off: ``reference``)."""
+    if self.lora is not None:
+      return state
+    ref = self._freeze(self.device_params(state))
     return dataclasses.replace(state, ref_params=jax.device_put(ref, sharding.tree_shardings(ref, self.mesh)))
 
   # -- steps --------------------------------------------------------------------------------------------------------
@@ -426,7 +510,7 @@ class Learner:
     tokens = jnp.asarray(batch["tokens"])
     n_check = gc.batch if gc.recompute_old_logp else min(gc.mismatch_sample, gc.batch)
     if n_check:
-      tr_lp, _, _ = self.logprobs(state.params, tokens[:n_check], kv_scales=kv)
+      tr_lp, _, _ = self.logprobs(self.weights(state), tokens[:n_check], kv_scales=kv)
       metrics.update(grpo.mismatch_metrics(jnp.asarray(batch["old_logp"][:n_check]), tr_lp,
                                            jnp.asarray(batch["mask"][:n_check])))
       if gc.recompute_old_logp:
@@ -437,7 +521,7 @@ class Learner:
           batch["is_weights"] = w
           metrics.update({f"is_{k}": v for k, v in wm.items()})
     if gc.kl_beta:  # the reference forward runs only with a KL penalty
-      batch["ref_logp"], _, _ = self.logprobs(state.ref_params, tokens, kv_scales=kv)
+      batch["ref_logp"], _, _ = self.logprobs(self.reference(state), tokens, kv_scales=kv)
     return batch, metrics
 
   def update(self, state: TrainState, batch: dict) -> tuple[TrainState, list[dict]]:

@@ -20,7 +20,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from fp8jax import recipes
+from fp8jax import lora, recipes
 from fp8jax import sampler as sampler_lib
 from fp8jax.rl import grpo
 from fp8jax.rl.learner import GRPOConfig
@@ -50,7 +50,11 @@ class RolloutWorker:
     return self.sampler.scfg.kv_cache == "fp8"
 
   def refit(self, params):
-    """The sampler's weights from the learner's master weights (the requantization after every optimizer step)."""
+    """The sampler's weights from the learner's master weights (the requantization after every optimizer step).
+    LoRA (``params`` the learner's base with its adapters attached: ``Learner.weights``): the adapters cast to BF16,
+    the frozen base shared as it is (``lora.sampling_weights``: nothing requantized)."""
+    if lora.has_adapters(params):
+      return self.sampler.sampling_form(lora.sampling_weights(params))
     return self.sampler.sampling_form(sampler_lib.refit(params, recipe=self.recipe))
 
   def sampling_seed(self, step: int, attempt: int) -> int:
