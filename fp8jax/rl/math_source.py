@@ -29,12 +29,13 @@ class MathSource:
     if not d.path or not os.path.exists(d.path):
       raise FileNotFoundError(
           f"data.path={d.path!r} does not exist. Download the prompt set (e.g. nvidia/OpenMathInstruct-2, a jsonl or "
-          f"parquet file with fields {data.OPENMATHINSTRUCT2_FIELDS}) and set --config.data.path=/path/to/file")
+          f"parquet file with fields {data.OPENMATHINSTRUCT2_FIELDS}) and set --config.data.path=/path/to/file, or "
+          f"name a pinned data set and split, e.g. --config.data.path=gsm8k:train (scripts/get_data.py --list)")
     if not tok_dir or not os.path.isdir(tok_dir):
       raise FileNotFoundError(
           f"checkpoint.hf_dir / data.tokenizer_dir={tok_dir!r} is not a directory. Download the model (e.g. "
           f"meta-llama/Llama-3.1-8B-Instruct: config.json, *.safetensors, tokenizer.json) and set "
-          f"--config.checkpoint.hf_dir=/path/to/it")
+          f"--config.checkpoint.hf_dir=/path/to/it, or name a pinned model (scripts/get_model.py --list)")
     self.tok = hf.load_tokenizer(tok_dir)
     examples = data.load_prompts(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field,
                                  template=d.template, max_examples=d.max_examples or None)
