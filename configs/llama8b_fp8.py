@@ -8,7 +8,7 @@ optimizer state over fsdp, and each GPU generates its share of the rollouts. Mem
 (`python scripts/plan_memory.py --config=configs/llama8b_fp8.py --devices=8 --device_gib=139`): 35.5 GiB before XLA's
 temporaries; one GPU cannot hold it (the constructor refuses, naming mesh.fsdp). Without hf_dir / data.path the run stops at once and says what to download.
 Expected: validation accuracy at the BF16 recipe's level (NeMo RL: 0.613 FP8 vs 0.616 BF16 on their setup); this
-repository has not yet run the full recipe (see docs/benchmarks.md for what was measured).
+repository has not yet run the full recipe (see docs/performance.md for what was measured).
 """
 
 import ml_collections
@@ -34,8 +34,8 @@ def get_config(arg=None):
       max_examples=0, tokenizer_dir="", reward_timeout_s=5.0))
   c.rollout = ml_collections.ConfigDict(dict(
       slots=512, max_len=4096, max_new_tokens=3584, temperature=1.0, top_p=1.0, top_k=0, decode_chunk=32,
-      kv_scale_margin=1.25, prompt_buckets=(128, 256, 512), max_refills_per_step=16, shared_prefix_attention=True,
-      fuse_projections=True, data_parallel=True, seed=0))
+      kv_scale_margin=1.25, prompt_buckets=(128, 256, 512), max_refills_per_step=16, data_parallel=True,
+      seed=0))
   c.grpo = ml_collections.ConfigDict(dict(
       num_prompts=64, num_generations=32, loss="grpo", normalize_std=True, leave_one_out=True, eps_low=0.2,
       eps_high=0.2, dual_clip=0.0, agg="token_mean", kl_beta=0.01, is_kind="none", is_lo=0.5, is_hi=2.0,
@@ -43,9 +43,10 @@ def get_config(arg=None):
       minibatches=1, microbatch=8))
   c.optim = ml_collections.ConfigDict(dict(
       lr=5e-7, schedule="warmup_constant", warmup_steps=13, min_lr_ratio=0.1, weight_decay=0.01, b1=0.9, b2=0.999,
-      eps=1e-8, grad_clip=1.0))
+      eps=1e-8, grad_clip=1.0, state_dtype="float32", offload="none"))  # fp8jax/optim.py
   c.warmstart.steps = 0
-  c.train = ml_collections.ConfigDict(dict(steps=500, val_every=10, val_prompts=256))
+  c.train = ml_collections.ConfigDict(dict(steps=500, val_every=10, val_prompts=256, collapse_steps=5,
+                                           stop_on_collapse=True))
   c.checkpoint = ml_collections.ConfigDict(dict(every=10, keep=3, hf_dir="", resume=True))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, expert=1, tensor=1))
   return c

@@ -54,8 +54,6 @@ def get_config(arg=None):
       max_refills_per_step=16,  # free slots that take a pending request per decode step (inside the jitted loop)
       kv_scale_margin=1.25,  # FP8 KV scale = margin * amax / 448 (fp8jax.kvcache)
       prompt_buckets=(16,),
-      shared_prefix_attention=True,  # a prompt's KV pages read once per group of its samples (same bits)
-      fuse_projections=True,  # q/k/v and gate/up as one GEMM each in the sampler (same bits)
       data_parallel=True,  # on a mesh without tensor parallelism each device generates its share of the prompts
       seed=0))  # varies the rollouts' sampling only (not the problems or the init): RL seeds from one warm start
 
@@ -73,16 +71,27 @@ def get_config(arg=None):
       minibatches=1,  # optimizer steps per rollout batch
       microbatch=64))  # sequences per gradient-accumulation microbatch
 
+  # LoRA (fp8jax.lora): rank 0 = off, full-parameter training. With rank r > 0 the trainer trains adapters a (r, K)
+  # and b (N, r) of each target linear on the frozen base (block-FP8 QWeights in fp8.mode="fp8"), scaled by
+  # alpha / r; targets: schema keys of the dense linears; dropout must be 0 (the sampler's log-probs are the old ones).
+  c.lora = ml_collections.ConfigDict(dict(
+      rank=0, alpha=16.0, targets=("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"), dropout=0.0))
+
   c.optim = ml_collections.ConfigDict(dict(
       lr=1.5e-4,  # 1e-3 collapsed the policy, 3e-4 dipped first; 1e-4 learned slower
       schedule="constant", warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, b1=0.9, b2=0.99, eps=1e-8,
-      grad_clip=1.0))
+      grad_clip=1.0,
+      state_dtype="float32",  # Adam moments: "float32" | "bfloat16" (stored rounded, FP32 math: fp8jax/optim.py)
+      offload="none"))  # "none" | "pinned_host": master + optimizer state in host memory between train steps
 
   # Supervised warm-start: 300 steps leave the loss plateau on every seed tried and stop well short of perfect
   # (greedy accuracy ~0.8), so GRPO has errors left to remove.
   c.warmstart = ml_collections.ConfigDict(dict(steps=300, batch=64, lr=1e-3))
 
-  c.train = ml_collections.ConfigDict(dict(steps=200, val_every=50, val_prompts=256))
+  # collapse_steps: RL steps in a row with reward 0 and a zero gradient (no learning signal) before the run warns,
+  # and stops if stop_on_collapse (fp8jax.rl.trainer.PolicyCollapsed); 0 turns the guard off.
+  c.train = ml_collections.ConfigDict(dict(steps=200, val_every=50, val_prompts=256, collapse_steps=5,
+                                           stop_on_collapse=True))
   c.checkpoint = ml_collections.ConfigDict(dict(every=100, keep=2, hf_dir="", resume=True))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, expert=1, tensor=1))  # -1: all remaining devices
   return c

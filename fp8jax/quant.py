@@ -18,11 +18,12 @@ Layouts (``K`` is always the contraction axis of the GEMM that consumes the tens
   ``quantize_act_t(x_MxK) -> (q_KxM, scale_KxMb)``, i.e. 1x128 groups along the token axis, M zero-padded
   to a multiple of 128.
 
-Numerics (the contract in DESIGN.md):
+Numerics (the contract in docs/design.md):
 
-* ``scale = max(amax, AMAX_FLOOR) * fp32(1/448)`` in FP32 (the reciprocal, see INV_E4M3_MAX), amax over the finite values of the block; the floor makes an
-  all-zero block quantize to exact zeros. With ``pow2=True`` the scale is rounded *up* to a power of two
-  (``2**ceil(log2(amax/448))``, as E8M0 scale formats do), so ``|x / scale| <= 448`` still holds.
+* ``scale = max(amax, AMAX_FLOOR) * fp32(1/448)`` in FP32 (the reciprocal, see INV_E4M3_MAX), amax over the finite
+  values of the block; the floor makes an all-zero block quantize to exact zeros. With ``pow2=True`` the scale is
+  rounded *up* to a power of two (``2**ceil(log2(amax/448))``, as E8M0 scale formats do), so ``|x / scale| <= 448``
+  still holds.
 * ``q = cast_e4m3(clip(x * (1 / scale), -448, 448))``, round to nearest even (see ``reciprocal`` for why the
   reciprocal is explicit).
 * Non-finite values are never hidden: NaN stays NaN, and +-inf becomes NaN too (E4M3fn has no infinity;

@@ -126,8 +126,10 @@ def path_str(path) -> str:
 
 
 def is_model_tree(tree) -> bool:
-  """Whether ``tree`` is laid out like fp8jax's model params (``embed`` and a list of ``layers``)."""
-  return isinstance(tree, dict) and "embed" in tree and isinstance(tree.get("layers"), (list, tuple))
+  """Whether ``tree`` is laid out like fp8jax's model params (a list of per-layer dicts under ``layers``; the full
+  tree also has ``embed``, a stack of blocks alone does not)."""
+  layers = tree.get("layers") if isinstance(tree, dict) else None
+  return isinstance(layers, (list, tuple)) and all(isinstance(x, dict) for x in layers)
 
 
 def _model_where(recipe: Recipe) -> Callable[[str, Any], bool]:
@@ -143,9 +145,9 @@ def _as_predicate(where: Where, tree, recipe: Recipe) -> Callable[[str, Any], bo
   if where is None:
     if not is_model_tree(tree):
       keys = list(tree)[:6] if isinstance(tree, dict) else type(tree).__name__
-      raise ValueError(f"quantize_params / mark_fp8: this tree is not fp8jax's model params ({{'embed', 'layers': "
-                       f"[...]}}; got {keys}); say which leaves are weights with where= (fnmatch patterns over "
-                       f"'/'-joined paths such as '*/kernel', or a predicate (path, leaf) -> bool)")
+      raise ValueError(f"quantize_params / mark_fp8: this tree is not fp8jax's model params ({{'layers': "
+                       f"[{{...}}, ...], ...}}; got {keys}); say which leaves are weights with where= (fnmatch "
+                       f"patterns over '/'-joined paths such as '*/kernel', or a predicate (path, leaf) -> bool)")
     return _model_where(recipe)
   if callable(where):
     return where

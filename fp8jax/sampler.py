@@ -103,11 +103,13 @@ class SamplerConfig:
   decode_chunk: int = 16  # decode steps per jitted call (the host checks for completion between calls)
   max_refills_per_step: int = 16  # free slots that take a pending request per decode step (each copies one page)
   memory_fraction: float = 0.9  # the KV caches may use at most this fraction of free device memory
-  # decode attention reads a prompt's shared pages once for all its samples in the step (the kernels' shared-prefix
-  # pass; same bits either way, off only to measure it)
+  # Two switches that are not config keys (the trainer always runs both on): off, they give the same bits more slowly,
+  # which is what the tests and scripts/bench_rollout.py switch them off to check and time.
+  # Decode attention reads a prompt's shared pages once for all its samples in the step (the kernels' shared-prefix
+  # pass).
   shared_prefix_attention: bool = True
   # q/k/v and gate/up as one GEMM each where the kernels make the fused columns bitwise the separate GEMMs
-  # (``fp8jax.model.fuse``; same bits either way, off only to measure it)
+  # (``fp8jax.model.fuse``).
   fuse_projections: bool = True
   # On a mesh without tensor parallelism, each device generates its own share of the requests: a full copy of the
   # sampling weights (gathered once per generate call), slots / devices slots and its own KV pages (``Sampler``'s
@@ -320,6 +322,14 @@ class Sampler:
   def _fuse(self, params):
     return fuse.fuse_layers(params, self.lcfg)
 
+  def fuse_projections_shape(self, param_shapes):
+    """``fuse_projections`` on shapes (``jax.ShapeDtypeStruct`` leaves), for memory plans: the jitted fusion's own
+    ``eval_shape`` (a ``jax.eval_shape`` around ``fuse_projections`` would nest it, and fp8jax.jit's compiler options
+    are refused in a nested jit)."""
+    if not self.scfg.fuse_projections or not fuse.needs_fusing(param_shapes, self.lcfg):
+      return param_shapes
+    return type(self)._fuse.eval_shape(self, param_shapes)
+
   def layout(self, n_prompts: int, bucket: int, max_new_tokens: int) -> PageLayout:
     page = kvc.key_block()
     blocks = kvc.padded_len(self.scfg.max_len) // page
@@ -384,7 +394,7 @@ class Sampler:
     dst = jnp.where(ids < s, lay.own_page0()[idc], lay.n_pages)  # no taker: out of range, dropped
     # Only on steps where a slot takes a request: the copies are a scatter per layer and K/V even when every
     # destination is dropped (at 8B on the H200 most likely the profile's 64 scatters of ~11 us per decode step,
-    # 0.7 ms of 14.5; docs/benchmarks.md). The cache goes through the cond in place (no copy in the compiled loop).
+    # 0.7 ms of 14.5; docs/history.md). The cache goes through the cond in place (no copy in the compiled loop).
     cache = lax.cond(jnp.any(take), lambda c: kvc.copy_pages(c, lay.prompt_page0(p[idc]) + shared[idc], dst),
                      lambda c: c, dataclasses.replace(st.cache, page_table=table))
     return dataclasses.replace(

@@ -44,7 +44,9 @@ import sys
 import time
 import traceback
 
-import fp8jax  # noqa: F401  (sets XLA flags first)
+import fp8jax  # noqa: E402
+
+fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -8,7 +8,7 @@ kernel) and compares with an independent single-rounding
 reference: NumPy clip to +-448, then ml_dtypes' float8_e4m3fn cast (round to nearest even); non-finite inputs must
 give NaN. Also checks the power-of-two scale rounding of ``_scale_from_amax`` against frexp/ldexp on 4M amaxes
 spanning the FP32 range. Prints the mismatch counts; exit code 1 if any. (The CI test, tests/test_quant.py, checks
-every rounding boundary; this is the full sweep, run once per backend and recorded in docs/benchmarks.md.)
+every rounding boundary; this is the full sweep, run once per backend and recorded in docs/history.md.)
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import argparse
 import sys
 import time
 
-import fp8jax  # noqa: F401  (sets XLA flags first)
+import fp8jax  # noqa: E402
+
+fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 import jax
 import jax.numpy as jnp
 import ml_dtypes

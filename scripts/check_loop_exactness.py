@@ -14,7 +14,7 @@ each step in this process:
 then continues the loop from the first update (the next rollout's FP8 KV scales from its amax, as the trainer does).
 It calls the loop's public pieces: ``RolloutWorker.refit`` / ``generate``, ``rollout.train_batch``,
 ``Learner.logprobs`` / ``train_step``.
-Prints one JSON line per step. XLA options under test go in XLA_FLAGS (docs/benchmarks.md "Exact one engine").
+Prints one JSON line per step. XLA options under test go in XLA_FLAGS (docs/performance.md "One-engine exactness").
 """
 
 import argparse
@@ -26,7 +26,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import fp8jax  # noqa: E402,F401  (before jax: XLA flags)
+import fp8jax  # noqa: E402
+
+fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -28,7 +28,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import fp8jax  # noqa: E402,F401  (sets XLA flags first)
+import fp8jax  # noqa: E402
+
+fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -23,7 +23,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import fp8jax  # noqa: E402,F401  (sets the XLA flag before JAX starts)
+import fp8jax  # noqa: E402
+
+fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -105,7 +107,7 @@ def hidden_rel_errors(ref: list[np.ndarray], got: list[np.ndarray]) -> list[floa
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Block-FP8 linear in PyTorch (the numerics contract of DESIGN.md, written independently of fp8jax)
+# Block-FP8 linear in PyTorch (the numerics contract of docs/design.md, written independently of fp8jax)
 # ------------------------------------------------------------------------------------------------------------------
 
 

@@ -28,7 +28,9 @@ import os
 import shutil
 import tempfile
 
-import fp8jax  # noqa: F401
+import fp8jax  # noqa: E402
+
+fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 import jax
 import pytest
 
@@ -82,7 +84,7 @@ def _drop_compiled_when_near_the_map_limit():
     _drop_compiled()
 
 
-# The longest tests (seconds in the clean-clone CI run at ef22b22 on 2 cores, docs/benchmarks.md), started first.
+# The longest tests (seconds in the clean-clone CI run at ef22b22 on 2 cores, docs/history.md), started first.
 # pytest-xdist's worksteal scheduler (xdist/scheduler/worksteal.py, check_schedule) sends each of the N idle workers
 # one contiguous block of the collection at the start (the first len // N items to the first worker, and so on); a
 # worker runs its block in order, and an idle worker later steals the second half of the longest queue, from its

@@ -231,7 +231,8 @@ TP_MODEL_SCRIPT = r"""
 import os, sys, json, functools
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
-import fp8jax, jax, jax.numpy as jnp, numpy as np
+import fp8jax; fp8jax.configure_xla()
+import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fp8jax import ops, recipes, sharding
 from fp8jax.model import ModelConfig, forward, init_params

@@ -23,7 +23,8 @@ import os, sys, json
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
 import dataclasses
-import fp8jax, jax, jax.numpy as jnp, numpy as np
+import fp8jax; fp8jax.configure_xla()
+import jax, jax.numpy as jnp, numpy as np
 from fp8jax import ops, quant, sharding
 from fp8jax import recipes
 from fp8jax.model import ModelConfig, init_params, moe
@@ -71,7 +72,8 @@ STEP_SCRIPT = r"""
 import os, sys, json
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
-import fp8jax, jax, numpy as np
+import fp8jax; fp8jax.configure_xla()
+import jax, numpy as np
 from test_trainer import small_moe_config, _parity_score
 from fp8jax.rl import source, trainer as T
 source.ArithmeticSource.score = _parity_score  # rewards with variance: a real gradient to compare

@@ -302,7 +302,8 @@ FAKE = {fake}  # 4 fake CPU devices with interpret-mode stand-ins, else all loca
 if FAKE:
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
-import fp8jax, jax, jax.numpy as jnp, numpy as np
+import fp8jax; fp8jax.configure_xla()
+import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fp8jax import ops, quant
 import kernel_standins
@@ -366,7 +367,8 @@ FAKE = {fake}  # 4 fake CPU devices (fsdp 2 x tensor 2) with interpret-mode stan
 if FAKE:
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
-import fp8jax, jax, jax.numpy as jnp, numpy as np
+import fp8jax; fp8jax.configure_xla()
+import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fp8jax import ops, quant
 from fp8jax.model import schema

@@ -264,11 +264,46 @@ def test_collapsed_policy_stops_the_run(tmp_path, parity_reward, monkeypatch):
     tr.step(0)
 
 
+def _zero_score(self, ro, answers):
+  return np.zeros(len(answers), np.float32)
+
+
+def test_no_learning_signal_warns_then_stops(tmp_path, monkeypatch, caplog):
+  """Every completion scored 0 (what a collapsed policy, or a task the model never solves, gives): all advantages and
+  the gradient are exactly 0, step after step. After train.collapse_steps such steps the run stops with
+  PolicyCollapsed naming the keys (train.stop_on_collapse), or, with stop_on_collapse=False, warns once and goes on;
+  the count is the metric no_signal_steps."""
+  monkeypatch.setattr(source.ArithmeticSource, "score", _zero_score)
+  tr = trainer_lib.RLTrainer(small_config(**{"train.collapse_steps": 2}), str(tmp_path / "stop"))
+  tr.warmstart()
+  m = tr.step(0)
+  assert float(m["reward_mean"]) == 0.0 and float(m["grad_norm"]) == 0.0 and m["no_signal_steps"] == 1, m
+  with pytest.raises(trainer_lib.PolicyCollapsed, match=r"no learning signal for 2 RL steps in a row \(through step "
+                     r"2\).*train\.stop_on_collapse=False only warns; train\.collapse_steps"):
+    tr.step(1)
+  tr = trainer_lib.RLTrainer(small_config(**{"train.collapse_steps": 2, "train.stop_on_collapse": False}),
+                             str(tmp_path / "warn"))
+  tr.warmstart()
+  with caplog.at_level("WARNING", logger="fp8jax.rl.trainer"):
+    counts = [tr.step(i)["no_signal_steps"] for i in range(3)]
+  assert counts == [1, 2, 3], counts
+  assert sum("no learning signal" in r.getMessage() for r in caplog.records) == 1, caplog.text
+
+
+def test_learning_signal_resets_the_count(tmp_path, parity_reward):
+  """Rewards with variance (parity_reward): a nonzero gradient every step, so the guard never counts."""
+  tr = trainer_lib.RLTrainer(small_config(**{"train.collapse_steps": 1}), str(tmp_path))
+  tr.warmstart()
+  m = tr.step(0)
+  assert float(m["grad_norm"]) > 0 and m["no_signal_steps"] == 0, m
+
+
 SHARDED_SCRIPT = r"""
 import os, sys, json
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
-import fp8jax, jax, numpy as np
+import fp8jax; fp8jax.configure_xla()
+import jax, numpy as np
 from test_trainer import small_config, _parity_score
 from fp8jax.rl import source, trainer as T
 source.ArithmeticSource.score = _parity_score  # rewards with variance: a real gradient to compare
@@ -376,6 +411,7 @@ def test_tiny_default_learns(tmp_path):
     ("train.val_every", 0, r"train\.val_every=0 must be >= 1"),
     ("rollout.max_new_tokens", 17, r"rollout\.max_new_tokens=17 must be in \[1, rollout\.max_len=16\)"),
     ("grpo.microbatch", 0, r"grpo\.microbatch=0 must be >= 1"),
+    ("train.collapse_steps", -1, r"train\.collapse_steps=-1 must be >= 0"),
 ])
 def test_bad_config_is_named_before_work_starts(tmp_path, monkeypatch, key, value, match):
   """Each of these used to run to exit 0 doing nothing, be silently capped, or crash after the warm start."""
@@ -383,18 +419,6 @@ def test_bad_config_is_named_before_work_starts(tmp_path, monkeypatch, key, valu
   with pytest.raises(ValueError, match=match):
     trainer_lib.RLTrainer(small_config(**{key: value}), str(tmp_path))
   assert not os.listdir(tmp_path)
-
-
-def test_rollout_switches_reach_the_sampler(tmp_path, monkeypatch):
-  """rollout.shared_prefix_attention / rollout.fuse_projections (same bits either way, off to measure them) reach
-  the sampler's config; both default on."""
-  monkeypatch.setattr(trainer_lib.RLTrainer, "_init_state", lambda self: None)
-  on = trainer_lib.RLTrainer(small_config(), str(tmp_path / "on")).worker.sampler.scfg
-  off = trainer_lib.RLTrainer(small_config(**{"rollout.shared_prefix_attention": False,
-                                              "rollout.fuse_projections": False}),
-                              str(tmp_path / "off")).worker.sampler.scfg
-  assert on.shared_prefix_attention and on.fuse_projections
-  assert not off.shared_prefix_attention and not off.fuse_projections
 
 
 def test_llama8b_recipe_says_what_to_download(tmp_path):

@@ -68,7 +68,8 @@ def _norm_backend(requested: str, x) -> str:
     why = norm_ref.unsupported(x)
     return (True, "CUDA GPU") if why is None else (False, f"fallback to the reference: {why}")
 
-  return backends.choose_backend(requested, what="rms_norm", config_key="model.norm_backend", probe=probe, prefix="norm:")
+  return backends.choose_backend(requested, what="rms_norm", config_key="model.norm_backend", probe=probe,
+                                 prefix="norm:")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

