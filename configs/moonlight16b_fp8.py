@@ -15,7 +15,7 @@ head dim 576, which the Pallas attention kernels do not take, so attention falls
 keeps every key block's scores for the backward: not fit for 4096-token training on a GPU, and not batch invariant
 there (sampler vs trainer token_mult_prob_error 1.0016 on the H200 with the FP8 latent cache). Expert parallelism
 (NeMo's recipe uses it): --config.mesh.expert=8 puts 8 routed experts on each GPU (fp8jax/model/moe_parallel.py; fake
-CPU devices only so far). The full recipe has not been run. Measured (one H200, 2026-12-02; docs/benchmarks.md "MLA"):
+CPU devices only so far). The full recipe has not been run. Measured (one H200, 2026-12-02; docs/performance.md):
 2 of 27 layers at the GRPO smoke shape 0.302 s per step (BF16 0.300); at a training-like size (512 x 272 tokens per
 step, 2026-12-03, expert wgrads on the kernels) 3.28 s vs BF16 3.57 s (1.09x), token_mult_prob_error 1.0; 8 layers,
 128 slots, 256 -> 512 tokens: 6,551 decode tok/s with the FP8 latent cache.

@@ -8,12 +8,12 @@ parameters need ~122 GB of FP32 master weights, ~244 GB of Adam moments, ~122 GB
 for the FP8 sampler weights and the KL reference (grpo.kl_beta > 0), ~550 GB before activations and the KV cache;
 4x H200 (564 GB) cannot hold that with room to run.
 The experts' forward, dgrad and wgrad run grouped Hopper FP8 kernels (forward/dgrad bitwise the dense kernel per
-expert on the H200; docs/benchmarks.md "Grouped FP8 GEMM", "Grouped wgrad kernels"). What is missing: the rows move
+expert on the H200; docs/performance.md "FP8 GEMM vs cuBLAS"). What is missing: the rows move
 into the kernel's tile layout by XLA gathers, and the wgrad's operands are quantized by separate passes, so the whole
 grouped ops run at 0.5-0.7x torch's BF16 grouped GEMM although the kernels reach 0.8-1.7x. Expert parallelism:
 --config.mesh.expert=8 (with fsdp 1) puts 16 experts on each GPU (fp8jax/model/moe_parallel.py; checked on fake CPU
 devices only, bitwise one device's rows). The full recipe has not been run. Measured (one H200, 2026-12-02;
-docs/benchmarks.md): 2 of 48 layers at the GRPO smoke shape (scripts/bench_grpo_step.py, random weights): 0.373 s per
+docs/performance.md): 2 of 48 layers at the GRPO smoke shape (scripts/bench_grpo_step.py, random weights): 0.373 s per
 step, the same as BF16 (launch-bound at 2,048 tokens), and sampler == trainer exactly (check_loop_exactness.py: 0 of
 2048 tokens differ); at a training-like size (512 x 272 tokens per step, bench_grpo_step.py --set ..., 2026-12-03,
 expert wgrads on the kernels) 2.86 s per step vs BF16 3.18 s (1.11x), still exact; per MoE layer (4 layers minus 2)

@@ -46,7 +46,7 @@ from scratch on the Pallas primitives; jax's ``hopper_matmul_mgpu.py`` shows the
    element's place in the tile; tested bitwise on the GPU across M and the shipped configs).
 4. Epilogue: the FP32 accumulator is cast to the output dtype, stored to swizzled SMEM and written by TMA.
 
-Tried and measured slower on the H200 (commit 3fae615, docs/benchmarks.md): carrying block 1's wgmma across the
+Tried and measured slower on the H200 (commit 3fae615, docs/history.md): carrying block 1's wgmma across the
 pipeline step so that every promotion overlaps a wgmma (0.64-0.73x: ptxas reports C7514, "wgmma.mma_async
 instructions are serialized due to non wgmma instructions reading accumulator registers of a wgmma between start and
 end of the pipeline stage", once an accumulator stays in flight across the loop's back edge), and an epilogue
@@ -63,7 +63,7 @@ the wrapper. For the same reason row-scale (wgrad) calls use CTAs at least 32 co
 
 M is padded to the CTA height inside the wrapper (zero rows, sliced off the result); N and K must be multiples
 of 128 (a ValueError otherwise). Tile configs per shape class: ``choose_config`` (FP8), ``choose_bf16_config``.
-Measured figures, and what limits them: docs/benchmarks.md, "FP8 block GEMM (issue 3)".
+Measured figures: docs/performance.md, "FP8 GEMM vs cuBLAS"; what limits them: docs/history.md.
 """
 
 from __future__ import annotations
@@ -168,8 +168,8 @@ def choose_config(m: int, n: int, k: int, num_sms: int | None = None, row_scales
   """Tile config per shape class (decode: small M, prefill/training: large M).
 
   Every config computes each output element with the same instruction sequence (module docstring, item 3), so the
-  choice changes speed, never bits (the GPU tests check configs bitwise). Measured on the H200 (docs/benchmarks.md,
-  "Schedule experiments"):
+  choice changes speed, never bits (the GPU tests check configs bitwise). Measured on the H200 (docs/history.md,
+  "Tried and dropped"):
   * M >= 2048 and N >= 16384 (gate_up, lm_head): 192x128 CTAs with three consumer warpgroups (gate_up 1303 TFLOP/s
     vs 1224 for 128x128); for N = 4096 / 6144 they lose (o 1064 vs 1176), so those keep 128x128.
   * M >= 2048: CTAs in pairs along N that share A by TMA multicast (``cluster_n``), and one pipeline across a CTA's
@@ -212,7 +212,7 @@ def choose_bf16_config(m: int, n: int, k: int, num_sms: int | None = None, out_d
   if WG_M < m < 2048 and bf16_out:
     # Decode-sized M with BF16 out: a 5-deep ring of 128 x 128, else 128 x 64 CTAs 8 deep when 128 x 128 leaves SMs
     # idle (N = 4096: o, down), no cross-tile pipeline: the fastest of `bench_gemm.py --bf16 --variants` at M = 256
-    # on the H200 for every 8B linear (docs/benchmarks.md, "BF16 GEMM at decode sizes").
+    # on the H200 for every 8B linear (docs/performance.md, "FP8 GEMM vs cuBLAS").
     lead = [TuningConfig("m", 128, 5), TuningConfig("m", 64, 8)]
   else:
     lead = [T("m", 128, 4)] if m > WG_M else []

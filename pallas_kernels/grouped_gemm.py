@@ -71,8 +71,8 @@ def to_tiles(x_MxK: jax.Array, dest_M: jax.Array, p: int) -> jax.Array:
   """Rows -> the (p, K) tile buffer (zeros between groups and after them).
 
   A gather of whole rows by each buffer row's source row, not a scatter of the rows: only the (M,) int32 index map
-  is scattered (XLA's GPU scatter of whole rows was the slow part of the grouped op: docs/benchmarks.md, "Grouped FP8
-  GEMM"). ``to_tiles`` and ``from_tiles`` are each other's transposes (every buffer row holds at most one row), so
+  is scattered (XLA's GPU scatter of whole rows was the slow part of the grouped op: docs/history.md, "Tried and
+  dropped"). ``to_tiles`` and ``from_tiles`` are each other's transposes (every buffer row holds at most one row), so
   their gradients are the same two gathers, exact, with no scatter-add."""
   return _gather_rows(x_MxK, source_rows(dest_M, p))
 

@@ -7,7 +7,7 @@ kernel writes the same entries: row i of the new K/V (one token's (heads, head_d
 page outside the pool are dropped. The pools are aliased to the outputs (``input_output_aliases``), so inside the
 sampler's jitted decode loop the cache is updated in place.
 
-Why a kernel (measured on the H200, docs/benchmarks.md): at Llama-3.1-8B shapes a decode step ran the write as two
+Why a kernel (measured on the H200, docs/history.md): at Llama-3.1-8B shapes a decode step ran the write as two
 XLA scatter fusions per layer (K and V) of ~6 us each, 64 launches and ~0.42 ms per step; this is one launch per
 layer. Data movement only: the cache's contents are bitwise those of the scatter (tests/test_kv_write.py).
 """

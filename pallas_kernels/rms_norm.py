@@ -3,10 +3,10 @@ many rows there are.
 
 Why a kernel: XLA's row-reduction emitter chooses its strategy (threads per row, vectorization, how partial sums
 meet) from the whole shape and the fusion around it, so the same row summed among 64 decode rows and among 4096
-training rows can round differently in FP32; after the rsqrt and the cast to BF16 that shows in roughly one row in
-two thousand (measured on the H200 with ``fp8jax.one_engine.block_divergence``, FP8 + FP8 KV: one MLP-norm row of
-1984 differed by one BF16 ulp, with both inputs bitwise equal). That is enough to make the sampler's log-probs differ
-from the trainer's. Here every program normalizes ``rows_per_tile(D)`` rows (a function of D only) with the same
+training rows can round differently in FP32; after the rsqrt and the cast to BF16 that shows in roughly one row in two
+thousand (measured on the H200 with ``fp8jax.diagnostics.one_engine.block_divergence``, FP8 + FP8 KV: one MLP-norm row
+of 1984 differed by one BF16 ulp, with both inputs bitwise equal). That is enough to make the sampler's log-probs
+differ from the trainer's. Here every program normalizes ``rows_per_tile(D)`` rows (a function of D only) with the same
 tile body, so each row is reduced by the same code in decode, prefill and training.
 
 Numerics: ``rms_rows`` is the one definition, used by the plain-jnp reference (whole arrays) and by the kernel body

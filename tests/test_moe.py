@@ -240,7 +240,7 @@ def test_gpu_moe_on_the_kernels(params):
 @pytest.mark.skipif(not backends.hopper_available(), reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.xfail(strict=True, reason="H200, 2026-12-02: max |dlp| 9.5e-7 (token_mult_prob_error 1.0000002). Not MoE: "
                    "dense models are 1 ulp off alike when the decode step runs few rows (8 slots: off with or without "
-                   "refills; 32 slots: exact, 2026-12-03); here 4 slots. Exact on CPU (docs/benchmarks.md)")
+                   "refills; 32 slots: exact, 2026-12-03); here 4 slots. Exact on CPU (docs/performance.md)")
 def test_gpu_moe_sampler_equals_trainer(params):
   m = _sampler_vs_trainer(params, FP8, "fp8")
   assert float(m["nonfinite_tokens"]) == 0 and float(m["max_abs_logp_diff"]) == 0.0, m

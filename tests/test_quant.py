@@ -94,7 +94,7 @@ def test_to_e4m3_matches_direct_cast_at_every_rounding_boundary():
   Every FP32 sign/exponent and every value of mantissa bits 12-22 (which hold E4M3's 3 kept bits and the round/tie
   bits below them), with the low 12 bits set to 0, 1, 0x7FF, 0x800, 0x801 and 0xFFF: ties, just-below/above-tie and
   carries into the exponent, in all binades (E4M3 subnormals, normals, clipped, inf/NaN). ~6.3M values. (An
-  exhaustive run over all 2**32 patterns, also 0 mismatches, takes ~50 s: see docs/benchmarks.md.)
+  exhaustive run over all 2**32 patterns, also 0 mismatches, takes ~50 s: see docs/history.md.)
   """
   high = np.arange(1 << 20, dtype=np.uint32) << 12
   low = np.array([0, 1, 0x7FF, 0x800, 0x801, 0xFFF], np.uint32)
