@@ -150,10 +150,22 @@ def linear_backend(w, requested: str) -> str:
   return resolve_bf16_backend(requested)
 
 
+def _pad_n(b_q, b_s):
+  """B (N, K) with N zero-padded to a multiple of 128 for the Hopper kernel, which takes whole 128-row tiles (a
+  ragged width: SmolLM2's 576). Output columns are independent, so the first N are bitwise the unpadded product's;
+  tile scales (Nb, Kb) already cover the partial tile, per-row scales (N, Kb: wgrad) get zero rows."""
+  n = b_q.shape[0]
+  if n % quant.BLOCK == 0:
+    return b_q, b_s
+  return quant.pad_k(b_q, 0), (quant.pad_k(b_s, 0) if b_s.shape[0] == n else b_s)
+
+
 def fp8_gemm(a_q, a_s, b_q, b_s, out_dtype, backend: str = "auto") -> jax.Array:
   """C = A . B^T on the resolved backend (see ``pallas_kernels.fp8_gemm`` for operand layouts)."""
   if resolve_backend(backend) == "pallas":
-    return _pallas_gemm()(a_q, a_s, b_q, b_s, out_dtype=out_dtype)
+    n, (b_q, b_s) = b_q.shape[0], _pad_n(b_q, b_s)
+    out = _pallas_gemm()(a_q, a_s, b_q, b_s, out_dtype=out_dtype)
+    return out[:, :n] if out.shape[1] != n else out
   return fp8_gemm_ref.fp8_gemm_reference(a_q, a_s, b_q, b_s, out_dtype=out_dtype)
 
 
@@ -276,8 +288,10 @@ def _act_gemm(x_MxK, b_q, b_s, out_dtype, cfg: LinearConfig, b_scales_kernel=Non
   GEMM's wrapper its layout op: the same values, so the same bits as ``quantize_act`` then ``fp8_gemm``."""
   if resolve_backend(cfg.backend) == "pallas":
     xq, xs_KbxM = _pallas_quant().quantize_act(x_MxK, cfg.pow2_scales, scales_t=True)
-    return _pallas_gemm()(xq, xs_KbxM, b_q, b_s, out_dtype=out_dtype, a_scales_t=True,
-                          b_scales_kernel=b_scales_kernel)
+    n, (b_q, b_s) = b_q.shape[0], _pad_n(b_q, b_s)
+    out = _pallas_gemm()(xq, xs_KbxM, b_q, b_s, out_dtype=out_dtype, a_scales_t=True,
+                         b_scales_kernel=b_scales_kernel)
+    return out[:, :n] if out.shape[1] != n else out
   xq, xs = quant.quantize_act(x_MxK, cfg.pow2_scales)
   return fp8_gemm_ref.fp8_gemm_reference(xq, xs, b_q, b_s, out_dtype=out_dtype)
 

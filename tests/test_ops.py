@@ -203,6 +203,43 @@ def test_fp8_kernel_path_with_scales_laid_out_once(monkeypatch):
 
 
 @cpu_only
+class _RefQuant:
+  """The quantizer kernels' calls on the XLA quantizer (same values; the scales in the layout the call asks for)."""
+
+  @staticmethod
+  def quantize_act(x, pow2=False, scales_t=False):
+    q, s = quant.quantize_act(x, pow2)
+    return q, (s.T if scales_t else s)
+
+  @staticmethod
+  def quantize_act_t(x, pow2=False):
+    return quant.quantize_act_t(x, pow2)
+
+
+def test_pallas_path_pads_a_ragged_output_width(monkeypatch):
+  """The Hopper GEMM takes whole 128-row tiles of B; a width that is not a multiple of 128 (SmolLM2's hidden 576:
+  w_down's N, the wgrad's N = K) is zero-padded and sliced, so forward, dgrad and wgrad are bitwise the reference's.
+  The stand-in kernel refuses ragged N, as the Hopper kernel does."""
+  x = jax.random.normal(jax.random.key(0), (5, 320), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (576, 320), jnp.float32) * 0.05
+  loss = lambda x, w: jnp.sum(ops.linear(x, quant.FP8Weight(w)).astype(jnp.float32) ** 2)  # noqa: E731
+  want = (ops.linear(x, quant.FP8Weight(w)), *jax.grad(loss, argnums=(0, 1))(x, w))
+  seen = []
+
+  def strict_gemm(a_q, a_s, b_q, b_s, *, out_dtype, a_scales_t=False, b_scales_kernel=None):
+    assert b_q.shape[0] % 128 == 0, b_q.shape
+    seen.append(b_q.shape)
+    return fp8_gemm.fp8_gemm_reference(a_q, a_s.T if a_scales_t else a_s, b_q, b_s, out_dtype=out_dtype)
+
+  monkeypatch.setattr(ops, "resolve_backend", lambda requested: "pallas")
+  monkeypatch.setattr(ops, "_pallas_gemm", lambda: strict_gemm)
+  monkeypatch.setattr(ops, "_pallas_quant", lambda: _RefQuant)
+  got = (ops.linear(x, quant.FP8Weight(w)), *jax.grad(loss, argnums=(0, 1))(x, w))
+  assert (640, 384) in seen and len(seen) >= 3, seen  # forward (N 576 -> 640) and the wgrad / dgrad calls
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_bf16_backend_choice_is_visible_and_pallas_refuses_without_gpu():
   """BF16 mode follows fp8.gemm_backend through the same switch, listed as bf16:requested->chosen."""
   x, w = jnp.ones((2, 128)), jnp.ones((128, 128))
