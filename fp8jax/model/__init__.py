@@ -1,7 +1,7 @@
 """The model function (Llama-3.x / Qwen3, dense or MoE), its chunked output head, its config and its parameter schema.
 
-The names below are imported on first use (PEP 562), so ``fp8jax.model.schema``, which ``quant`` and ``sharding``
-import, does not pull in the model code (and its imports of ``quant``) while those modules are being initialized.
+The names below are imported on first use (PEP 562): importing ``fp8jax.model.schema`` (as ``recipes`` and
+``sharding`` do, for the parameter layout) does not pull in the model code and the kernels behind it.
 """
 
 import importlib as _importlib
