@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 
 import jax
 import numpy as np
@@ -251,8 +252,10 @@ def plan(learner, sampler, sample_recipe, *, prompts: int, samples: int, prompt_
   alike_train = layers_alike(learner.cfg, learner.policy.recipe)
   alike_rollout = layers_alike(sampler.cfg, sample_recipe)
   train_at, prefill_at, decode_at = {}, {}, {}
+  t0 = time.perf_counter()
   for k in compiled_depths(n_layers, alike_train):
     train_at[k] = compile_train_step(learner if k == n_layers else learner.at_depth(k), minibatch, seq)
+  t1 = time.perf_counter()
   for k in compiled_depths(n_layers, alike_rollout):
     s_k = sampler if k == n_layers else sampler_lib.Sampler(dataclasses.replace(sampler.cfg, n_layers=k),
                                                             sampler.scfg, sampler.lcfg)
@@ -260,6 +263,7 @@ def plan(learner, sampler, sample_recipe, *, prompts: int, samples: int, prompt_
     got = compile_rollout(s_k, sample_recipe, p_k, sp, prompts=prompts, samples=samples, bucket=bucket,
                           max_new_tokens=max_new_tokens)
     prefill_at[k], decode_at[k] = got["prefill"], got["decode"]
+  compile_s = {"train_step": t1 - t0, "rollout": time.perf_counter() - t1}  # the plan's own cost, at start-up
   *_, dstate, _ = rollout_args(sampler, sample_recipe, learner.param_shapes(), prompts=prompts, samples=samples,
                                bucket=bucket, max_new_tokens=max_new_tokens)
   train_c, prefill_c, decode_c = (at_depth(a, n_layers) for a in (train_at, prefill_at, decode_at))
@@ -270,7 +274,7 @@ def plan(learner, sampler, sample_recipe, *, prompts: int, samples: int, prompt_
            "train batch": tree_bytes(train_step_args(learner, minibatch, seq)[1])}
   depths = lambda a: sorted(a)  # noqa: E731
   other = target is not None and target != jax.default_backend()
-  compiled = {"backend": jax.default_backend(),
+  compiled = {"backend": jax.default_backend(), "compile_s": compile_s,
               "train_step": dict(train_c, depths=depths(train_at), rows=minibatch, seq=seq),
               "prefill": dict(prefill_c, depths=depths(prefill_at)),
               "decode": dict(decode_c, depths=depths(decode_at), state_beyond_pool=decode_extra)}
