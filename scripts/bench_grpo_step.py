@@ -69,7 +69,7 @@ def run_config(path: str, a) -> dict:
   # the build (weights, the memory plan's compiles on a GPU) apart from the steps, printed at once: a run stopped by a
   # time limit still says where its time went
   print(json.dumps({"config": path, "built_s": time.perf_counter() - t0,
-                    "plan_compile_s": tr.memory_plan.compiled.get("compile_s")}), flush=True)
+                    "plan_compile_s": tr.memory_plan.compile_s}), flush=True)
   rows = []
   for step in range(a.steps):
     m = tr.step(step)

@@ -70,6 +70,8 @@ class MemoryPlan:
   kv_cache: str = "bf16"  # the rollout cache's kind (the error's hint)
   host: dict[str, int] = dataclasses.field(default_factory=dict)  # state in host memory (optim.offload)
   compiled: dict[str, dict] = dataclasses.field(default_factory=dict)  # program -> its memory analysis (bytes)
+  # seconds the plan's compiles took (train step, rollout programs): its cost at start-up, not part of the plan
+  compile_s: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
   def phase(self, name: str, *, exact_only: bool = False) -> int:
     """The state plus phase ``name``'s buffers ("rollout" or "train")."""
@@ -97,7 +99,7 @@ class MemoryPlan:
   def to_json(self) -> dict:
     return dict(mesh=self.mesh, state=self.state, rollout=self.rollout, train=self.train,
                 estimates=list(self.estimates), kv_cache=self.kv_cache, peak=self.peak(),
-                peak_exact=self.peak(exact_only=True), host=self.host, compiled=self.compiled)
+                peak_exact=self.peak(exact_only=True), host=self.host, compiled=self.compiled, compile_s=self.compile_s)
 
 
 # The rows that come from XLA's compiled programs (their names, for the table and the tests).
@@ -274,12 +276,12 @@ def plan(learner, sampler, sample_recipe, *, prompts: int, samples: int, prompt_
            "train batch": tree_bytes(train_step_args(learner, minibatch, seq)[1])}
   depths = lambda a: sorted(a)  # noqa: E731
   other = target is not None and target != jax.default_backend()
-  compiled = {"backend": jax.default_backend(), "compile_s": compile_s,
+  compiled = {"backend": jax.default_backend(),
               "train_step": dict(train_c, depths=depths(train_at), rows=minibatch, seq=seq),
               "prefill": dict(prefill_c, depths=depths(prefill_at)),
               "decode": dict(decode_c, depths=depths(decode_at), state_beyond_pool=decode_extra)}
   return MemoryPlan(mesh=mesh, state=rows, rollout=rollout, train=train, kv_cache=sampler.scfg.kv_cache, host=host,
-                    compiled=compiled, estimates=(ROLLOUT_TEMPS, TRAIN_TEMPS) if other else ())
+                    compiled=compiled, estimates=(ROLLOUT_TEMPS, TRAIN_TEMPS) if other else (), compile_s=compile_s)
 
 
 def allocator_stats(device=None):
