@@ -30,12 +30,18 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: config.
 _RESUME = flags.DEFINE_bool("resume", True, "Resume from the latest checkpoint in the workdir; --noresume refuses a "
                             "workdir that already holds a run (use a new --workdir to start over).")
 _STEPS = flags.DEFINE_integer("steps", None, "Override the number of RL steps.")
+_EXPORT = flags.DEFINE_string("export_dir", None, "After the run, write the policy here for transformers / PEFT / "
+                              "vLLM: a LoRA run's adapters in PEFT's format, a full run's weights as HF safetensors.")
+_MERGED = flags.DEFINE_enum("export_format", None, ["bf16", "fp8"], "With --export_dir: a LoRA run also writes the "
+                            "merged model (export_dir/merged), a full run writes block FP8 with 'fp8' (default BF16).")
 
 
 def main(argv):
   del argv
   if _CONFIG.value is None:
     raise app.UsageError("--config is required, e.g. --config=configs/tiny_fp8.py")
+  if _MERGED.value and not _EXPORT.value:
+    raise app.UsageError("--export_format needs --export_dir (where to write the policy)")
   from fp8jax import distributed  # noqa: PLC0415
 
   distributed.initialize_from_env()  # multi-process runs (fp8jax/distributed.py); before any device is touched
@@ -54,6 +60,9 @@ def main(argv):
       print(f"memory per device (plan, scripts/plan_memory.py): rollout {plan.phase('rollout') / 2**30:.2f} GiB, "
             f"train step {plan.phase('train') / 2**30:.2f} GiB with XLA's compiled temporaries")
     history = trainer.run(_STEPS.value)
+    if _EXPORT.value and distributed.is_primary():
+      trainer.export(_EXPORT.value, merged=_MERGED.value)
+      print(f"exported the policy to {_EXPORT.value}")
   except (TrainingDiverged, WorkdirLocked, RunDirInUse, CheckpointMismatch, CheckpointCorrupt,
           CheckpointUnreadable) as e:
     sys.exit(f"error: {e}")
