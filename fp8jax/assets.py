@@ -547,3 +547,38 @@ def resolve_data_file(value: str, key: str = "data.path") -> str:
     raise AssetError(f"{key}={value!r}: data set {name!r} has no {split!r} split (it has: "
                      f"{', '.join(sorted(a.members))})")
   return os.path.join(get_data(name), f"{split}.jsonl")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Command line (scripts/get_model.py, scripts/get_data.py)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _summary(kind: str, manifest: dict) -> dict:
+  if kind == "model":
+    return {"files": manifest["files"], "conversion_seconds": manifest.get("conversion", {}).get("seconds")}
+  return {"records": manifest["records"], "skipped": {f: s["count"] for f, s in manifest["skipped"].items()}}
+
+
+def cli(kind: str, description: str, argv=None) -> int:
+  """``get_model`` (kind "model") or ``get_data`` (kind "data") as a command: NAME [--out DIR] or --list; prints the
+  directory and what it holds as JSON; exit 1 with the AssetError's message, 2 without a name."""
+  import argparse  # noqa: PLC0415
+
+  p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("name", nargs="?", help=f"a {kind} of --list")
+  p.add_argument("--out", help="output directory (default: the cache)")
+  p.add_argument("--list", action="store_true", help=f"print the pinned {kind} assets and exit")
+  args = p.parse_args(argv)
+  if args.list or not args.name:
+    print(table(kind))
+    return 0 if args.list else 2
+  t0 = time.perf_counter()
+  try:
+    out = (get_model if kind == "model" else get_data)(args.name, args.out)
+  except AssetError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  summary = _summary(kind, read_manifest(out))
+  print(json.dumps({"dir": out, "seconds": round(time.perf_counter() - t0, 2), **summary}, indent=2))
+  return 0

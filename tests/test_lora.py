@@ -17,6 +17,8 @@ from fp8jax import hf, lora, ops, quant, recipes, sampler
 from fp8jax.model import ModelConfig, llama
 from fp8jax.rl import learner, memory, source
 from fp8jax.rl import trainer as trainer_lib
+from test_trainer import _parity_score
+from test_trainer import small_config as trainer_small_config
 
 RECIPES = {"bf16": recipes.Recipe(mode="bf16", gemm_backend="xla"),
            "fp8": recipes.Recipe(mode="fp8", gemm_backend="xla"),
@@ -132,23 +134,13 @@ def test_gradients_reach_the_adapters_and_match_the_low_rank_math(mode):
 # ------------------------------------------------------------------------------------------------------------------
 
 
-SMALL = {"warmstart.steps": 0, "grpo.num_prompts": 4, "grpo.num_generations": 4, "grpo.microbatch": 8,
-         "grpo.mismatch_sample": 8, "rollout.slots": 16, "train.steps": 2, "train.val_every": 100,
-         "train.val_prompts": 16, "checkpoint.every": 1, "lora.rank": 8, "lora.alpha": 16.0, "optim.lr": 1e-2,
-         "grpo.kl_beta": 0.01}
+# test_trainer's small run with LoRA on: no warm start (a LoRA run trains adapters on the base it starts from), a
+# step size that moves rank-8 adapters within three steps, and the KL term on (its reference is the base).
+LORA_RUN = {"warmstart.steps": 0, "lora.rank": 8, "lora.alpha": 16.0, "optim.lr": 1e-2, "grpo.kl_beta": 0.01}
 
 
 def small_config(**overrides):
-  c = tiny_fp8.get_config()
-  for k, v in {**SMALL, **overrides}.items():
-    group, field = k.split(".")
-    c[group][field] = v
-  return c
-
-
-def _parity_score(self, ro, answers):
-  """Reward 1 where the first completion token is even: variance in every group of an untrained model."""
-  return (np.asarray(ro.tokens)[:len(answers), 0] % 2 == 0).astype(np.float32)
+  return trainer_small_config(**{**LORA_RUN, **overrides})
 
 
 def _p_even(tr, weights, prompts):

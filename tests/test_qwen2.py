@@ -29,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 import compare_torch  # noqa: E402
+from test_hf import _tokens as _hf_tokens, _torch_logits  # noqa: E402  (tokens; transformers' logits)
 
 BF16 = recipes.Recipe(mode="bf16", gemm_backend="xla")
 FP8 = recipes.Recipe(mode="fp8", gemm_backend="xla")
@@ -54,14 +55,8 @@ def loaded(dirs):
   return out
 
 
-def _tokens(vocab, b=2, t=40, seed=0):
-  return np.random.default_rng(seed).integers(0, vocab, (b, t)).astype(np.int32)
-
-
-def _torch_logits(hf_dir, tokens, dtype=torch.float32):
-  m = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
-  with torch.no_grad():
-    return m(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+def _tokens(vocab, seed=0):
+  return _hf_tokens(vocab, t=40, seed=seed)
 
 
 def _no_biases(params):
