@@ -259,6 +259,7 @@ class RLTrainer:
     if limit is not None:
       memory.check(self.memory_plan, limit)
     self._early_refit = None  # ``_run``'s refit of the next step, dispatched before the previous step's fetch
+    self._no_signal = 0  # RL steps in a row without a learning signal (``_check_signal``)
     # Where the params came from: "init" (seeded; the warm start runs from it), "warm start", "pretrained" (an HF
     # checkpoint or load_pretrained) or "checkpoint" (a resumed run). Not run state: a resume never warm-starts.
     self.params_origin = "pretrained" if hf_dir else "init"
@@ -439,7 +440,7 @@ class RLTrainer:
     with PolicyCollapsed, before the step is saved. Returns the count (metric ``no_signal_steps``)."""
     limit = int(self.c.train.get("collapse_steps", 5))
     dead = metrics.get("reward_mean") == 0.0 and all(g == 0.0 for g in grad_norms)
-    self._no_signal = getattr(self, "_no_signal", 0) + 1 if dead else 0
+    self._no_signal = self._no_signal + 1 if dead else 0
     if limit and self._no_signal >= limit:
       msg = (f"no learning signal for {self._no_signal} RL steps in a row (through step {step + 1}): every "
              f"completion's reward is 0 and the gradient is exactly 0, so the policy cannot improve (a collapsed "
