@@ -19,13 +19,17 @@ Batch: 8 prompts x 16 generations of 512 + 3584 tokens, microbatch 1, 128 decode
 GPU: state 10.3 (FP8 base 8.46, FP32 adapters 0.62, Adam moments 1.25); rollout + 28.4 FP8 KV pool + 0.31 BF16
 adapters = 39.0; train step + 0.62 adapter gradients = 11.0. The plan's XLA-temporaries rows come from XLA:CPU's
 compile of the CPU reference kernels (it printed 111 and 1938 GiB, which are not GPU figures); on the H100 the GPU
-compiler's buffers replace them. Not yet measured on a GPU (`--measure_steps=2` on an H100 is the check to run).
+compiler's buffers replace them.
 Measured on one H100 80 GB (2026-12-06, random weights, 32 layers, 4096-token sequences): the trainer's own plan,
 which on a GPU compiles the train step for XLA's temporaries, refused microbatch 2 before making weights: 59.5 GiB
 of temporaries, 70.5 GiB in the train phase against the 59.4 GiB JAX takes by default (75% of the card; BF16 LoRA:
-84.0 GiB). Hence microbatch 1 and, on an 80 GB card, XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (76 GiB). At microbatch 1 the
-first step did not complete within 5 minutes of that run (compiles included); its step time is not yet measured.
-Expected: not yet run; the full-parameter recipe's figures are in docs/performance.md.
+84.0 GiB). Hence microbatch 1 and, on an 80 GB card, XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (76 GiB). The first
+step compiles for ~3-4 minutes (the plan's programs at depths 1 and 2, then the 32-layer rollout and train step).
+Measured at full depth on one H200 (2026-12-06, random weights, docs/results/lora8b_grpo_step_h200.json; a smaller
+batch than this config's, 4 prompts x 8 samples on 32 slots, 4096-token sequences, microbatch 1): GRPO step 59.0 s
+vs BF16 LoRA 68.9 s (1.17x; rollout 44.1 vs 51.2 s, train 14.9 vs 17.7 s), token_mult_prob_error 1.0, peak 40.8 GiB
+(plan 46.1). At 32 sequences a decode step costs ~12 ms in either precision, far above the time to read the
+weights, so FP8's halved weight traffic shows little; this config's 128 slots is the shape to measure next.
 """
 
 from configs import llama8b_fp8

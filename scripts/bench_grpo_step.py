@@ -72,7 +72,11 @@ def run_config(path: str, a) -> dict:
                     "plan_compile_s": tr.memory_plan.compile_s}), flush=True)
   rows = []
   for step in range(a.steps):
-    m = tr.step(step)
+    launched = tr.launch(step)  # the rollout is done when this returns: its seconds print before the update's
+    print(json.dumps({"config": path, "step": step + 1, "rollout_done_s": time.perf_counter() - t0,
+                      **{k: float(launched.host[k]) for k in ("requant_s", "rollout_s") if k in launched.host}}),
+          flush=True)
+    m = tr.finish(launched)
     rows.append({k: float(m[k]) for k in KEYS if k in m})
     print(json.dumps({"config": path, "step": step + 1, **rows[-1]}), flush=True)
   steady = rows[1:] or rows
