@@ -383,25 +383,26 @@ def test_tiny_default_learns(tmp_path):
 
   XLA:CPU rounds differently on different CPUs, so the trajectory differs by machine; what differs most is when the
   warm start leaves its loss plateau, and so where GRPO starts. Asserted here is what does not depend on that, each
-  with a wide margin (AMD EPYC, 2026-12-01, the default: 0.785 -> 0.992 at 177d3d1, 0.887 -> 0.977 at 827728e with
-  the chunked head; at 177d3d1 with a 200-step warm start, a
-  stand-in for a machine where the plateau lasts longer: 0.516 -> 0.953 at RL step 100; seeds 0-4 left the plateau
-  after 150-250 warm-start steps):
-  * the final greedy accuracy (256 held-out problems) is >= 0.8;
-  * GRPO removes at least a third of the warm start's errors (measured: 96%, 80%); a 256-problem accuracy has a sampling
-    std of <= 0.031, so this is a large effect, not noise;
-  * the mean training reward of the last 30 steps exceeds that of the first 30 by >= 0.1 (measured: 0.74 -> 0.90,
-    0.71 -> 0.88).
+  with a wide margin, after the first 100 of the job's 200 RL steps (the rest only polishes: half the test's time).
+  Measured at RL step 100 (AMD EPYC): 0.809 -> 0.984 (2026-12-06, the default), training reward 0.745 -> 0.839 (first
+  vs last 30 steps); with a 200-step warm start, a stand-in for a machine where the plateau lasts longer, 0.516 ->
+  0.953 (2026-12-01, 177d3d1); seeds 0-4 left the plateau after 150-250 warm-start steps:
+  * the greedy accuracy (256 held-out problems) is >= 0.8;
+  * GRPO removes at least a third of the warm start's errors (measured: 92%, 90%); a 256-problem accuracy has a
+    sampling std of <= 0.031, so this is a large effect, not noise;
+  * the mean training reward of the last 30 steps exceeds that of the first 30 by >= 0.05 (measured: +0.094): each
+    window averages 30 x 256 sampled completions, so its mean has a std of ~0.005 and 0.05 is ~7 of them.
   """
   c = tiny_fp8.get_config()
   c.checkpoint.every = 10**6
+  c.train.steps = 100
   hist = trainer_lib.RLTrainer(c, str(tmp_path)).run(progress=False)
   accs = [h["val_accuracy"] for h in hist if "val_accuracy" in h]
   rewards = [h["reward_mean"] for h in hist if "reward_mean" in h]
   assert len(rewards) == c.train.steps
   assert accs[-1] >= 0.8, accs
   assert 1 - accs[-1] <= (2 / 3) * (1 - accs[0]), accs
-  assert np.mean(rewards[-30:]) >= np.mean(rewards[:30]) + 0.1, (rewards[:30], rewards[-30:])
+  assert np.mean(rewards[-30:]) >= np.mean(rewards[:30]) + 0.05, (rewards[:30], rewards[-30:])
 
 
 @pytest.mark.parametrize("key,value,match", [
