@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import llama8b_bf16_lora, llama8b_fp8_lora, tiny_fp8
+from configs import llama8b_bf16_lora, llama8b_fp8_lora, qwen3_8b_bf16_lora, qwen3_8b_fp8_lora, tiny_fp8
 from fp8jax import hf, lora, ops, quant, recipes, sampler
 from fp8jax.model import ModelConfig, llama
 from fp8jax.rl import learner, memory, source
@@ -287,9 +287,11 @@ def test_peft_and_merged_exports_load_in_transformers(tmp_path):
 
 def test_configs_load_and_lora_is_off_by_default():
   assert lora.LoRAConfig.from_config(tiny_fp8.get_config()).enabled is False
-  for mod, mode in ((llama8b_fp8_lora, "fp8"), (llama8b_bf16_lora, "bf16")):
+  for mod, mode in ((llama8b_fp8_lora, "fp8"), (llama8b_bf16_lora, "bf16"), (qwen3_8b_fp8_lora, "fp8"),
+                    (qwen3_8b_bf16_lora, "bf16")):
     c = mod.get_config()
     lc = lora.LoRAConfig.from_config(c)
+    lc.check_model(ModelConfig.from_config(c.model))  # every target is a linear of the model's layers
     assert (lc.rank, lc.alpha, lc.targets, c.mesh.fsdp, c.fp8.mode) == (64, 128.0, lora.TARGETS, 1, mode)
     assert (c.rollout.max_len, c.rollout.max_new_tokens, max(c.rollout.prompt_buckets)) == (4096, 3584, 512)
     assert 1e-5 <= c.optim.lr <= 5e-5
