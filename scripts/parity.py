@@ -6,6 +6,14 @@
   .venv/bin/python scripts/parity.py --warm_start_only; for a in bf16 fp8 ...; do for s in 0 1 2; do  # in parallel
     .venv/bin/python scripts/parity.py --arms=$a --seeds=1 --first_seed=$s --out=runs/parity/$a$s.json & done; done
   wait; .venv/bin/python scripts/parity.py --table_only    # reads the finished runs, writes the table
+  # a pretrained model (warmstart.steps = 0, e.g. configs/smollm2_asdiv_fp8.py): no warm start to share; each arm x
+  # seed is a scripts/train.py run from the checkpoint, with the arm's flags (--arm_flags prints them)
+  for a in bf16 fp8 fp8_rollout fp8_rollout_tis; do for s in 0 1 2; do
+    .venv/bin/python scripts/train.py --config=configs/smollm2_asdiv_fp8.py --workdir=runs/parity_smollm2/$a/seed$s \
+      --steps=50 --config.train.val_every=5 --config.rollout.seed=$s $(.venv/bin/python scripts/parity.py \
+      --arm_flags=$a) & done; done
+  wait; .venv/bin/python scripts/parity.py --config=configs/smollm2_asdiv_fp8.py --workdir=runs/parity_smollm2 \
+    --table_only --steps=50 --val_every=5 --out=parity_smollm2.json
 
 Thin entry point over ``fp8jax.diagnostics.parity``: one BF16 warm start (trained once, checkpointed under
 ``--workdir``/warmstart and reused by later invocations with the same settings), then every arm x seed from it, each
@@ -51,6 +59,8 @@ _WARM_ONLY = flags.DEFINE_bool("warm_start_only", False, "Train (or find) the sh
                                 "over all arms writes the table from the finished runs.")
 _TABLE_ONLY = flags.DEFINE_bool("table_only", False, "Train nothing: write the table from the finished runs in "
                                  "--workdir (e.g. run in parallel processes); an unfinished run is an error.")
+_ARM_FLAGS = flags.DEFINE_string("arm_flags", None, "Print an arm's scripts/train.py flags (its config overrides, "
+                                  "e.g. --config.fp8.mode=bf16 --config.fp8.kv_cache=bf16) and exit.")
 _CACHE = flags.DEFINE_bool("compile_cache", None, "XLA's persistent compilation cache in --workdir/xla_cache, so "
                            "arms with the same programs compile once (default: off; XLA:CPU segfaulted with it on "
                            "in MoE train-step compiles: tests/conftest.py).")
@@ -60,6 +70,12 @@ def main(argv):
   del argv
   import jax  # noqa: PLC0415
 
+  if _ARM_FLAGS.value is not None:
+    arm = _ARM_FLAGS.value
+    if arm not in parity.ARMS:
+      raise app.UsageError(f"--arm_flags={arm!r}: not among {list(parity.ARMS)}")
+    print(" ".join(f"--config.{k}={v}" for k, v in parity.ARMS[arm].items()))
+    return
   c = _CONFIG.value
   smoke = _SMOKE.value
   if smoke:

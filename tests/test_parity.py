@@ -124,6 +124,38 @@ def test_summaries_of_synthetic_runs():
     parity.override(small_config(), {"grpo.is_kindd": "tis"})
 
 
+def test_table_from_runs_of_a_pretrained_model_needs_no_warm_start(tmp_path):
+  """warmstart.steps = 0 (a pretrained checkpoint): the arms ran as scripts/train.py runs, one directory per arm and
+  seed; --table_only builds the table from their rows, the start being their step-0 validation; a run that did not
+  finish is named. (--arm_flags prints the flags those runs take: each arm's overrides.)"""
+  base = parity.override(small_config(), {"warmstart.steps": 0})
+  finals = {("bf16", 0): 0.5, ("bf16", 1): 0.75, ("fp8", 0): 0.625, ("fp8", 1): 0.625}
+  for (arm, seed), final in finals.items():
+    d = tmp_path / arm / f"seed{seed}"
+    d.mkdir(parents=True)
+    rows = [{"step": 0, "val_accuracy": 0.25},
+            {"step": 1, "token_mult_prob_error": 1.0, "gen_kl_error": 0.0, "step_s": 3.0},
+            {"step": 2, "token_mult_prob_error": 1.0, "gen_kl_error": 0.0, "step_s": 2.0, "val_accuracy": final}]
+    if (arm, seed) != ("fp8", 1):  # the one run stopped after step 2
+      rows.append({"step": 3, "token_mult_prob_error": 1.0, "gen_kl_error": 0.0, "step_s": 2.0})
+    d.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  out = tmp_path / "table.json"
+  result = parity.run_parity(base, arms=["bf16", "fp8"], seeds=2, steps=2, val_every=2, workdir=str(tmp_path),
+                             out_json=str(out), out_png=str(tmp_path / "t.png"), table_only=True, echo=lambda *_: None)
+  assert result["warmstart"]["val_accuracy"] == 0.25
+  fin = {n: a["summary"]["final_val_accuracy"] for n, a in result["arms"].items()}
+  np.testing.assert_allclose([fin["bf16"]["mean"], fin["bf16"]["std"], fin["fp8"]["mean"], fin["fp8"]["std"]],
+                             [0.625, np.std([0.5, 0.75], ddof=1), 0.625, 0.0])
+  assert json.loads(out.read_text())["arms"]["fp8"]["summary"]["step_s_median"]["mean"] == (2.0 + 2.5) / 2
+  with pytest.raises(FileNotFoundError, match="fp8/seed1/metrics.jsonl: the run has not finished 3 RL steps"):
+    parity.run_parity(base, arms=["bf16", "fp8"], seeds=2, steps=3, val_every=2, workdir=str(tmp_path),
+                      out_json=str(out), out_png=str(tmp_path / "t.png"), table_only=True, echo=lambda *_: None)
+  res = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "parity.py"), "--arm_flags=fp8_rollout_tis"],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+  assert res.returncode == 0, res.stderr[-2000:]
+  assert res.stdout.split() == [f"--config.{k}={v}" for k, v in parity.ARMS["fp8_rollout_tis"].items()]
+
+
 def test_parity_smoke_runs_the_script_and_writes_json_and_png(tmp_path):
   """scripts/parity.py --smoke, end to end (three of the arms, to keep CI short): one BF16 warm start, the arms from
   it, the table, the JSON and the PNG."""

@@ -216,6 +216,11 @@ def provenance(command: str) -> dict:
           "jax": jax.__version__}
 
 
+def _read_rows(run_dir: str) -> list[dict]:
+  path = os.path.join(run_dir, "metrics.jsonl")
+  return read_jsonl(path) if os.path.exists(path) else []
+
+
 def run_parity(base, *, arms, seeds: int, steps: int, val_every: int, workdir: str, out_json: str, out_png: str,
                command: str = "", progress: bool = False, echo=print, first_seed: int = 0,
                table_only: bool = False) -> dict:
@@ -230,7 +235,16 @@ def run_parity(base, *, arms, seeds: int, steps: int, val_every: int, workdir: s
   if steps < 1:
     raise ValueError(f"--steps={steps} must be >= 1")
   if table_only:
-    warm_info = stored_warm_info(base, os.path.join(workdir, "warmstart"))
+    # Without a warm start (warmstart.steps = 0: every run starts from the checkpoint, e.g. a pretrained
+    # checkpoint.hf_dir) runs made by scripts/train.py with the arms' overrides need none: their step-0 rows hold it.
+    warm_info = stored_warm_info(base, os.path.join(workdir, "warmstart"), required=int(base.warmstart.steps) > 0)
+    if warm_info is None:
+      rows = _read_rows(os.path.join(workdir, arms[0], f"seed{first_seed}"))
+      start = [r["val_accuracy"] for r in rows if r["step"] == 0 and "val_accuracy" in r]
+      if not start:
+        raise FileNotFoundError(f"no warm start in {os.path.join(workdir, 'warmstart')} and no step-0 validation in "
+                                f"{os.path.join(workdir, arms[0], f'seed{first_seed}', 'metrics.jsonl')}")
+      warm_info = {"val_accuracy": start[0], "source": "the runs' step-0 validation (warmstart.steps = 0)"}
   else:
     warm_params, warm_info = warm_start(base, os.path.join(workdir, "warmstart"))
     warm_np = jax.tree.map(np.asarray, warm_params)
@@ -248,7 +262,7 @@ def run_parity(base, *, arms, seeds: int, steps: int, val_every: int, workdir: s
         tr.load_pretrained(warm_np)
         tr.run(progress=progress)
       path = os.path.join(wd, "metrics.jsonl")
-      rows = read_jsonl(path) if os.path.exists(path) else []
+      rows = _read_rows(wd)
       if table_only and max((r["step"] for r in rows), default=-1) < steps:
         raise FileNotFoundError(f"{path}: the run has not finished {steps} RL steps (run it without --table_only)")
       run = {"seed": seed, "workdir": wd, **summarize_run(rows)}
