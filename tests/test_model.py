@@ -3,6 +3,7 @@
 import fp8jax
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -175,6 +176,46 @@ def test_remat_path_is_the_deferred_residual_adds_bitwise(params):
   assert len(ra) == CFG.n_layers + 1
   for a, b in zip([la, ha, *ra, *jax.tree.leaves(ga)], [lb, hb, *rb, *jax.tree.leaves(gb)]):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def _barriers(jaxpr):
+  """The optimization_barrier equations of a jaxpr, its sub-jaxprs included."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "optimization_barrier":
+      out.append(eqn)
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else [v]:
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          out += _barriers(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          out += _barriers(sub)
+  return out
+
+
+def test_remat_checkpoint_recomputes_after_the_cotangent_and_keeps_the_gradient():
+  """fp8jax.model.remat.checkpoint: the values and gradients of the plain function (bitwise), and the backward
+  pass's recomputation behind one barrier with the saved inputs *and* the incoming cotangent, so that XLA cannot run
+  it before the backward pass reaches the layer (jax.checkpoint's barrier holds the saved inputs only)."""
+  from fp8jax.model import remat  # noqa: PLC0415
+
+  def layer(w, x):
+    return jnp.tanh(jnp.tanh(x @ w) @ w.T) + x
+
+  w = jax.random.normal(jax.random.key(0), (16, 32), jnp.float32)
+  x = jax.random.normal(jax.random.key(1), (4, 16), jnp.float32)
+  ct = jax.random.normal(jax.random.key(2), (4, 16), jnp.float32)
+  y0, vjp0 = jax.vjp(layer, w, x)
+  y1, vjp1 = jax.vjp(remat.checkpoint(layer), w, x)
+  np.testing.assert_array_equal(y0, y1)
+  for a, b in zip(vjp0(ct), vjp1(ct)):
+    np.testing.assert_array_equal(a, b)
+  # Only w and x are kept from the forward pass: the backward pass's jaxpr recomputes x @ w from them.
+  bwd = jax.make_jaxpr(lambda w, x, ct: jax.vjp(remat.checkpoint(layer), w, x)[1](ct))(w, x, ct).jaxpr
+  (barrier,) = _barriers(bwd)
+  assert sorted(tuple(v.aval.shape) for v in barrier.invars) == sorted([w.shape, x.shape, ct.shape]), barrier
+  plain = jax.make_jaxpr(lambda w, x, ct: jax.vjp(layer, w, x)[1](ct))(w, x, ct).jaxpr
+  assert not _barriers(plain)
 
 
 def test_config_errors_name_the_key():

@@ -29,6 +29,7 @@ from fp8jax import ops
 from fp8jax.model import head, schema
 from fp8jax.model.config import ModelConfig
 from fp8jax.model import gqa, mla
+from fp8jax.model import remat as remat_lib
 from fp8jax.model.layers import add_rms_norm, rope_inv_freq
 from pallas_kernels.rms_norm import residual_add
 from fp8jax.model.mlp import mlp
@@ -98,16 +99,18 @@ def forward(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.L
   remat = cfg.remat and cache is None
   defer = not remat
 
-  def layer_fn(p, x, h, layer_cache, i):
-    return decoder_layer(p, x, h, positions_BxT, cfg, lcfg, inv_freq, layer=i, cache=layer_cache, kv_scales=kv_scales,
-                         own_positions=own_positions, router_mask_BxT=router_mask_BxT, defer_add=defer)
+  # Every array a layer reads is an argument (none closed over), as remat.checkpoint's custom VJP needs.
+  def layer_fn(p, x, h, layer_cache, positions, inv_f, kv_s, router_mask, *, i):
+    return decoder_layer(p, x, h, positions, cfg, lcfg, inv_f, layer=i, cache=layer_cache, kv_scales=kv_s,
+                         own_positions=own_positions, router_mask_BxT=router_mask, defer_add=defer)
 
-  if remat:
-    layer_fn = jax.checkpoint(layer_fn, static_argnums=(4,))
   new_k, new_v, k_amax, v_amax, router, stream = [], [], [], [], [], [x]
   h = None
   for i, p in enumerate(params["layers"]):
-    (x, h), new_layer, (ka, va), stats = layer_fn(p, x, h, cache, i)
+    fn = functools.partial(layer_fn, i=i)
+    if remat:
+      fn = remat_lib.checkpoint(fn)
+    (x, h), new_layer, (ka, va), stats = fn(p, x, h, cache, positions_BxT, inv_freq, kv_scales, router_mask_BxT)
     if residuals:
       stream.append(x if h is None else residual_add(x, h))
     k_amax.append(ka)
