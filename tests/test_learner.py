@@ -98,3 +98,19 @@ def test_a_loss_metric_without_a_reduction_is_refused():
   with pytest.raises(ValueError, match="'nll' is neither in the loss's sums"):
     loss.combine({"nll": jnp.zeros(2)})
   assert dataclasses.is_dataclass(learner_lib.LOSSES["grpo"]) and set(learner_lib.LOSSES) >= {"grpo", "sft"}
+
+
+def test_batch_logprobs_runs_microbatches_and_gives_the_whole_batch_bits(batch_and_state):
+  """The mismatch / recompute / reference passes score a rollout batch grpo.microbatch sequences per call (the
+  shape the memory plan holds room for): the same log-probs, bit for bit, as one call over the whole batch, also
+  where the microbatch does not divide the sequences scored (grpo.mismatch_sample of them)."""
+  batch, params, scales = batch_and_state
+  tokens = jnp.asarray(batch["tokens"])
+  whole = np.asarray(_learner(B).logprobs(params, tokens, kv_scales=scales)[0])
+  lr = _learner(4)
+  calls = []
+  lr.logprobs = lambda p, t, kv_scales=None, f=lr.logprobs: (calls.append(t.shape[0]), f(p, t, kv_scales))[1]
+  for n, expect in ((B, [4, 4, 4, 4]), (10, [4, 4, 2])):
+    calls.clear()
+    np.testing.assert_array_equal(np.asarray(lr.batch_logprobs(params, tokens[:n], scales)), whole[:n])
+    assert calls == expect
