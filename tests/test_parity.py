@@ -127,7 +127,8 @@ def test_summaries_of_synthetic_runs():
 def test_table_from_runs_of_a_pretrained_model_needs_no_warm_start(tmp_path):
   """warmstart.steps = 0 (a pretrained checkpoint): the arms ran as scripts/train.py runs, one directory per arm and
   seed; --table_only builds the table from their rows, the start being their step-0 validation; a run that did not
-  finish is named. (--arm_flags prints the flags those runs take: each arm's overrides.)"""
+  finish is named, and one that went further counts up to --steps only. (--arm_flags prints the flags those runs
+  take: each arm's overrides.)"""
   base = parity.override(small_config(), {"warmstart.steps": 0})
   finals = {("bf16", 0): 0.5, ("bf16", 1): 0.75, ("fp8", 0): 0.625, ("fp8", 1): 0.625}
   for (arm, seed), final in finals.items():
@@ -136,8 +137,9 @@ def test_table_from_runs_of_a_pretrained_model_needs_no_warm_start(tmp_path):
     rows = [{"step": 0, "val_accuracy": 0.25},
             {"step": 1, "token_mult_prob_error": 1.0, "gen_kl_error": 0.0, "step_s": 3.0},
             {"step": 2, "token_mult_prob_error": 1.0, "gen_kl_error": 0.0, "step_s": 2.0, "val_accuracy": final}]
-    if (arm, seed) != ("fp8", 1):  # the one run stopped after step 2
-      rows.append({"step": 3, "token_mult_prob_error": 1.0, "gen_kl_error": 0.0, "step_s": 2.0})
+    if (arm, seed) != ("fp8", 1):  # the one run stopped after step 2; the others went on, beyond the table's 2
+      rows.append({"step": 3, "token_mult_prob_error": 9.0, "gen_kl_error": 0.0, "step_s": 2.0,
+                   **({"val_accuracy": 0.875} if (arm, seed) == ("bf16", 0) else {})})
     d.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   out = tmp_path / "table.json"
   result = parity.run_parity(base, arms=["bf16", "fp8"], seeds=2, steps=2, val_every=2, workdir=str(tmp_path),
@@ -146,7 +148,11 @@ def test_table_from_runs_of_a_pretrained_model_needs_no_warm_start(tmp_path):
   fin = {n: a["summary"]["final_val_accuracy"] for n, a in result["arms"].items()}
   np.testing.assert_allclose([fin["bf16"]["mean"], fin["bf16"]["std"], fin["fp8"]["mean"], fin["fp8"]["std"]],
                              [0.625, np.std([0.5, 0.75], ddof=1), 0.625, 0.0])
-  assert json.loads(out.read_text())["arms"]["fp8"]["summary"]["step_s_median"]["mean"] == (2.0 + 2.5) / 2
+  # the table's horizon is --steps: rows after step 2 count nowhere (their validations are listed apart)
+  table = json.loads(out.read_text())["arms"]
+  assert table["fp8"]["summary"]["step_s_median"]["mean"] == 2.5
+  assert table["bf16"]["summary"]["token_mult_prob_error"]["mean"] == 1.0
+  assert [r["val_curve_beyond"] for r in table["bf16"]["runs"]] == [[[3, 0.875]], []]
   with pytest.raises(FileNotFoundError, match="fp8/seed1/metrics.jsonl: the run has not finished 3 RL steps"):
     parity.run_parity(base, arms=["bf16", "fp8"], seeds=2, steps=3, val_every=2, workdir=str(tmp_path),
                       out_json=str(out), out_png=str(tmp_path / "t.png"), table_only=True, echo=lambda *_: None)

@@ -133,8 +133,13 @@ def _mean_std(xs):
   return float(np.mean(xs)), float(np.std(xs, ddof=1)) if len(xs) > 1 else 0.0
 
 
-def summarize_run(rows: list[dict]) -> dict:
-  """One run's figures from its metrics rows (row 0: the warm start's validation, before any RL step)."""
+def summarize_run(rows: list[dict], steps: int | None = None) -> dict:
+  """One run's figures from its metrics rows (row 0: the warm start's validation, before any RL step), over its first
+  ``steps`` RL steps (all by default; a run may have gone further than the table's horizon: its later validations
+  are kept in ``val_curve_beyond``)."""
+  beyond = [(r["step"], r["val_accuracy"]) for r in rows
+            if steps is not None and r["step"] > steps and "val_accuracy" in r]
+  rows = [r for r in rows if steps is None or r["step"] <= steps]
   val = [(r["step"], r["val_accuracy"]) for r in rows if "val_accuracy" in r]
   rl = [r for r in rows if r["step"] >= 1]
   rl_val = [a for s, a in val if s >= 1]
@@ -143,7 +148,8 @@ def summarize_run(rows: list[dict]) -> dict:
     v = [r[k] for r in rl if k in r]
     return float(np.mean(v)) if v else None
 
-  return {"val_curve": val, "start_val_accuracy": val[0][1] if val and val[0][0] == 0 else None,
+  return {"val_curve": val, "val_curve_beyond": beyond,
+          "start_val_accuracy": val[0][1] if val and val[0][0] == 0 else None,
           "final_val_accuracy": rl_val[-1] if rl_val else None, "best_val_accuracy": max(rl_val) if rl_val else None,
           "token_mult_prob_error": mean_of("token_mult_prob_error"), "gen_kl_error": mean_of("gen_kl_error"),
           "step_s_median": float(np.median([r["step_s"] for r in rl])) if rl else None,
@@ -265,7 +271,7 @@ def run_parity(base, *, arms, seeds: int, steps: int, val_every: int, workdir: s
       rows = _read_rows(wd)
       if table_only and max((r["step"] for r in rows), default=-1) < steps:
         raise FileNotFoundError(f"{path}: the run has not finished {steps} RL steps (run it without --table_only)")
-      run = {"seed": seed, "workdir": wd, **summarize_run(rows)}
+      run = {"seed": seed, "workdir": wd, **summarize_run(rows, steps)}
       runs.append(run)
       echo(f"{arm} seed {seed}: validation {run['start_val_accuracy']} -> {run['final_val_accuracy']} "
            f"(best {run['best_val_accuracy']}), token_mult_prob_error {run['token_mult_prob_error']}")
