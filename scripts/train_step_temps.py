@@ -1,0 +1,62 @@
+"""The train step's XLA temporaries per layer, compiled for the local device (no weights are made): the step for a
+minibatch of --rows sequences of --seq tokens at depths 1 and 2, and the difference (what each further layer adds,
+which the memory plan extrapolates from). On a GPU this is the compiled program the run would execute.
+
+  python scripts/train_step_temps.py --config=configs/llama8b_fp8_lora.py --rows=32 --seq=4096 \\
+      [--noremat] [--config.grpo.microbatch=1] [--json=PATH]
+"""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo (configs/, fp8jax/)
+
+import fp8jax  # noqa: E402
+
+fp8jax.configure_xla()
+
+import jax  # noqa: E402
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from fp8jax import ops, recipes, sharding  # noqa: E402
+from fp8jax.rl import memory, trainer as T  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
+_ROWS = flags.DEFINE_integer("rows", 1, "Sequences in the minibatch (grpo.microbatch of them per microbatch).")
+_SEQ = flags.DEFINE_integer("seq", 4096, "Tokens per sequence.")
+_REMAT = flags.DEFINE_bool("remat", True, "model.remat.")
+_JSON = flags.DEFINE_string("json", None, "Also write the figures as JSON here.")
+
+
+def main(_):
+  c = _CONFIG.value
+  c.unlock()
+  c.model.remat = bool(_REMAT.value)
+  c.checkpoint.hf_dir = ""  # the architecture from config.model (no download)
+  cfg = T._model_config(c)
+  recipe = recipes.Recipe.from_config(c.fp8)
+  mesh = sharding.make_mesh(c.mesh, jax.devices()[:1])
+  lcfg = ops.LinearConfig.from_recipe(recipe, mesh=mesh)
+  learner = T._learner(c, cfg, lcfg, recipe.trainer_side(), mesh, kv_state=recipe.sampler_side().kv_cache == "fp8")
+  out = {"argv": sys.argv[1:], "rows": _ROWS.value,
+         "seq": _SEQ.value, "microbatch": int(c.grpo.microbatch), "remat": bool(_REMAT.value),
+         "device": jax.devices()[0].device_kind, "jax": jax.__version__, "temp_gib": {}}
+  for depth in (1, 2):
+    t0 = time.perf_counter()
+    a = memory.compile_train_step(learner.at_depth(depth), _ROWS.value, _SEQ.value)
+    out["temp_gib"][depth] = a["temp"] / 2**30
+    print(f"depth {depth}: {a['temp'] / 2**30:.3f} GiB of temporaries (compiled in {time.perf_counter() - t0:.0f} s)")
+  out["per_layer_gib"] = out["temp_gib"][2] - out["temp_gib"][1]
+  print(f"per layer: {out['per_layer_gib']:.3f} GiB ({_ROWS.value} x {_SEQ.value} tokens, microbatch "
+        f"{out['microbatch']}, remat {out['remat']}, {out['device']})")
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config"])
+  app.run(main)
