@@ -3,10 +3,13 @@
 ``jax.checkpoint`` saves a layer's inputs and recomputes the layer in the backward pass, behind an optimization barrier
 on the saved inputs only (so that XLA cannot merge the recomputation with the forward pass). Nothing ties the
 recomputation to the backward pass itself: in a model whose layers are a Python loop (one unrolled program), the
-scheduler may run every layer's recomputation as soon as its inputs exist, i.e. during or right after the forward pass,
-and then every layer's activations are alive at once, as without remat. ``checkpoint`` below puts the barrier on the
-saved inputs *and* the incoming cotangent together (as ``jax_remat3`` does for ``jax.checkpoint``), so a layer is
-recomputed only once the backward pass has reached it, and one layer's activations are alive at a time.
+scheduler is free to run a layer's recomputation as soon as its inputs exist, and every layer recomputed early keeps
+its activations alive as without remat. ``checkpoint`` below puts the barrier on the saved inputs *and* the incoming
+cotangent together (as ``jax_remat3`` does for ``jax.checkpoint``), so a layer can only be recomputed once the backward
+pass has reached it: the schedule that remat is for, by construction rather than by the scheduler's choice. (Measured
+on an H100, 8B LoRA train step at one 4096-token sequence: both give 0 bytes per further layer; with 32 microbatches,
+this and the train step's microbatch barrier together lowered the per-layer temporaries from 1.10 to 0.84 GiB:
+docs/performance.md.)
 
 The forward values are ``fn``'s (the primal runs ``fn`` itself) and the gradients are those of ``jax.vjp(fn)`` at the
 saved inputs: the same operations as without remat.
