@@ -174,3 +174,24 @@ def test_offload_moves_the_state_rows_to_host_memory():
   moments = base.state["optimizer state"] - 8  # two int32 step counts (Adam's, the schedule's)
   assert off.host["optimizer state (pinned_host)"] - 8 == moments // 2
   assert off.peak() == base.peak() - sum(base.state.values())
+
+
+def test_the_scoring_passes_fit_in_the_train_steps_room():
+  """The mismatch / recompute / reference log-prob passes run grpo.microbatch sequences per call
+  (``Learner.batch_logprobs``): the plan holds no row for them because one such call, a forward pass, needs less than
+  the train step over a microbatch of the same shape (forward, backward, gradients), which the plan holds. (One call
+  over the whole rollout batch did not fit on the GPU past an accepting plan.)"""
+  from test_learner import _learner  # noqa: PLC0415
+
+  lr = _learner(4)
+  rows, seq = 64, 64
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lr.abstract_state(kv=True, ref=False).params)
+  kv = tuple(jax.ShapeDtypeStruct((lr.cfg.n_layers,), np.float32) for _ in range(2))
+
+  def scoring(n):
+    tokens = jax.ShapeDtypeStruct((n, seq), np.int32)
+    return memory.memory_analysis(lr.logprobs.lower(params, tokens, kv_scales=kv).compile())["temp"]
+
+  train = memory.compile_train_step(lr, rows, seq)["temp"]
+  assert 0 < scoring(4) <= train
+  assert scoring(rows) > train  # the whole batch at once: more than the room the plan holds (XLA:CPU: 1.8x)
