@@ -313,6 +313,7 @@ meshes = (("one", dict(data=1, fsdp=1, tensor=1)), ("four", dict(data=1, fsdp=2,
 for name, mesh in meshes:
   c = small_config()
   c.mesh.update(mesh)
+  c.model.remat = name == "eight"  # the recipes' remat (fp8jax.model.remat) on a sharded train step
   n = mesh["data"] * mesh["fsdp"] * mesh["tensor"]
   tr = T.RLTrainer(c, os.path.join({tmp!r}, name), devices=jax.devices()[:n])
   tr.warmstart()
@@ -332,7 +333,7 @@ def test_sharded_equals_unsharded_on_4_and_8_fake_devices(tmp_path):
   gradient norm within FP32 summation order (sharded reductions sum in another order: not bitwise on XLA:CPU), the
   RL step's update of wq pointing the same way as on one device (cosine >= 0.9: Adam's first step is about
   -lr * sign(g), so only the signs of near-zero gradient entries may differ; a wrong sharded gradient gives ~0),
-  and sampler == trainer on every mesh."""
+  and sampler == trainer on every mesh. The 8-device run rematerializes its layers (the recipes' setting)."""
   script = SHARDED_SCRIPT.format(repo=REPO, tmp=str(tmp_path))
   res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
   assert res.returncode == 0, res.stderr[-3000:]
