@@ -6,8 +6,9 @@ spacing (2^-8 relative) away; the block-FP8 codes (``fp8jax.quant.quantize_weigh
 on a grid the checkpoint is not aligned with, so each small update moves the codes of the weights that happen to lie
 near a rounding boundary. This script measures both on a checkpoint's linear weights: the master moved by the cumulative
 learning rate after k steps (what k Adam steps of one sign do at most: each moves a weight by ~lr) in a random
-direction per weight, the share of weights whose BF16 value / dequantized FP8 weight changed, and the share of the
-update that arrived: sum(change * direction) / (move * size), ~1 where the update shows in full (in expectation), ~0
+direction per weight, the share of weights whose BF16 value / dequantized FP8 weight changed (for FP8 also the share
+of E4M3 codes that changed: the other changes are a block scale that moved with its block's largest weight), and
+the share of the update that arrived: sum(change * direction) / (move * size), ~1 where the update shows in full (in expectation), ~0
 where the grid swallows it.
 
   python scripts/update_visibility.py --hf_dir smollm2-135m-instruct --lr 2e-6 --warmup 10 \\
@@ -44,8 +45,11 @@ def _moves(w, delta, key):
   sign = jnp.where(jax.random.bernoulli(key, 0.5, w.shape), 1.0, -1.0)
   ws = w + delta * sign
   bf_d = ws.astype(jnp.bfloat16).astype(jnp.float32) - w.astype(jnp.bfloat16).astype(jnp.float32)
-  f8_d = quant.dequantize_weight(quant.quantize_weight(ws)) - quant.dequantize_weight(quant.quantize_weight(w))
-  return jnp.sum(bf_d != 0), jnp.sum(bf_d * sign) / delta, jnp.sum(f8_d != 0), jnp.sum(f8_d * sign) / delta
+  q0, q1 = quant.quantize_weight(w), quant.quantize_weight(ws)
+  f8_d = quant.dequantize_weight(q1) - quant.dequantize_weight(q0)
+  codes = jnp.sum(q1.q.astype(jnp.float32) != q0.q.astype(jnp.float32))  # the rest of f8_d: block scales that moved
+  return (jnp.sum(bf_d != 0), jnp.sum(bf_d * sign) / delta, jnp.sum(f8_d != 0), jnp.sum(f8_d * sign) / delta,
+          codes)
 
 
 def main(argv=None):
@@ -69,7 +73,7 @@ def main(argv=None):
   steps = [int(s) for s in a.steps.split(",")]
   cum = {k: sum(a.lr * min(s, a.warmup) / max(a.warmup, 1) for s in range(1, k + 1)) for k in steps}
   moves = jax.jit(_moves)
-  tot = {k: np.zeros(4) for k in steps}
+  tot = {k: np.zeros(5) for k in steps}
   n = 0
   for name in names:
     w = jnp.asarray(tensors[name], jnp.float32)
@@ -77,13 +81,15 @@ def main(argv=None):
     for k in steps:
       tot[k] += np.asarray([float(x) for x in moves(w, cum[k], jax.random.fold_in(jax.random.key(0), len(tot)))])
   rows = [{"steps": k, "cum_lr": cum[k], "bf16_changed_frac": t[0] / n, "bf16_update_arrived": t[1] / n,
-           "fp8_changed_frac": t[2] / n, "fp8_update_arrived": t[3] / n} for k, t in tot.items()]
+           "fp8_changed_frac": t[2] / n, "fp8_update_arrived": t[3] / n, "fp8_codes_changed_frac": t[4] / n}
+          for k, t in tot.items()]
   print(f"{hf_dir}: {len(names)} linear weights, {n:,} values; lr {a.lr:g}, warmup {a.warmup}")
   print(f"{'steps':>5s} {'cum lr':>9s} {'BF16 changed':>12s} {'BF16 arrived':>12s} {'FP8 changed':>11s} "
-        f"{'FP8 arrived':>11s}")
+        f"{'FP8 codes':>10s} {'FP8 arrived':>11s}")
   for r in rows:
     print(f"{r['steps']:5d} {r['cum_lr']:9.2e} {100 * r['bf16_changed_frac']:11.2f}% {r['bf16_update_arrived']:12.3f} "
-          f"{100 * r['fp8_changed_frac']:10.2f}% {r['fp8_update_arrived']:11.3f}")
+          f"{100 * r['fp8_changed_frac']:10.2f}% {100 * r['fp8_codes_changed_frac']:9.2f}% "
+          f"{r['fp8_update_arrived']:11.3f}")
   if a.out:
     with open(a.out, "w") as f:
       json.dump({"command": " ".join(["python", "scripts/update_visibility.py", *(argv or sys.argv[1:])]),
