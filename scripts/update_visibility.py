@@ -8,8 +8,8 @@ near a rounding boundary. This script measures both on a checkpoint's linear wei
 learning rate after k steps (what k Adam steps of one sign do at most: each moves a weight by ~lr) in a random
 direction per weight, the share of weights whose BF16 value / dequantized FP8 weight changed (for FP8 also the share
 of E4M3 codes that changed: the other changes are a block scale that moved with its block's largest weight), and
-the share of the update that arrived: sum(change * direction) / (move * size), ~1 where the update shows in full (in expectation), ~0
-where the grid swallows it.
+the share of the update that arrived: sum(change * direction) / (move * size), ~1 where the update shows in full
+(in expectation), ~0 where the grid swallows it.
 
   python scripts/update_visibility.py --hf_dir smollm2-135m-instruct --lr 2e-6 --warmup 10 \\
       --out docs/results/update_visibility_smollm2_cpu.json
@@ -75,11 +75,12 @@ def main(argv=None):
   moves = jax.jit(_moves)
   tot = {k: np.zeros(5) for k in steps}
   n = 0
-  for name in names:
+  for i, name in enumerate(names):
     w = jnp.asarray(tensors[name], jnp.float32)
     n += w.size
-    for k in steps:
-      tot[k] += np.asarray([float(x) for x in moves(w, cum[k], jax.random.fold_in(jax.random.key(0), len(tot)))])
+    for k in steps:  # directions drawn per matrix and per step count
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), i), k)
+      tot[k] += np.asarray([float(x) for x in moves(w, cum[k], key)])
   rows = [{"steps": k, "cum_lr": cum[k], "bf16_changed_frac": t[0] / n, "bf16_update_arrived": t[1] / n,
            "fp8_changed_frac": t[2] / n, "fp8_update_arrived": t[3] / n, "fp8_codes_changed_frac": t[4] / n}
           for k, t in tot.items()]
