@@ -21,8 +21,7 @@ import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from fp8jax import ops, recipes, sharding  # noqa: E402
-from fp8jax.rl import memory, trainer as T  # noqa: E402
+from fp8jax.rl import memory, trainer  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _ROWS = flags.DEFINE_integer("rows", 1, "Sequences in the minibatch (grpo.microbatch of them per microbatch).")
@@ -38,11 +37,7 @@ def main(_):
   c.unlock()
   c.model.remat = bool(_REMAT.value)
   c.checkpoint.hf_dir = ""  # the architecture from config.model (no download)
-  cfg = T._model_config(c)
-  recipe = recipes.Recipe.from_config(c.fp8)
-  mesh = sharding.make_mesh(c.mesh, jax.devices()[:1])
-  lcfg = ops.LinearConfig.from_recipe(recipe, mesh=mesh)
-  learner = T._learner(c, cfg, lcfg, recipe.trainer_side(), mesh, kv_state=recipe.sampler_side().kv_cache == "fp8")
+  learner = trainer.learner_from_config(c, jax.devices()[:1])
   out = {"argv": sys.argv[1:], "rows": _ROWS.value,
          "seq": _SEQ.value, "microbatch": int(c.grpo.microbatch), "remat": bool(_REMAT.value),
          "device": jax.devices()[0].device_kind, "jax": jax.__version__, "temp_gib": {}}

@@ -195,18 +195,24 @@ def _memory_plan(config, learner: Learner, sampler, sample_recipe: recipes.Recip
                      microbatch=gc.microbatch, sp=sp, **kw)
 
 
+def learner_from_config(config, devices=None) -> Learner:
+  """A run's learner (its jitted steps, no state: ``Learner.abstract_state`` for shapes) from its config, on
+  ``devices`` (the local ones by default): what ``memory_plan`` compiles, and ``scripts/train_step_temps.py``."""
+  cfg = _model_config(config)
+  recipe = recipes.Recipe.from_config(config.fp8)
+  mesh = sharding.make_mesh(config.mesh, devices)
+  lcfg = ops.LinearConfig.from_recipe(recipe, mesh=mesh)
+  return _learner(config, cfg, lcfg, recipe.trainer_side(), mesh, kv_state=recipe.sampler_side().kv_cache == "fp8")
+
+
 def memory_plan(config, devices=None, **kw) -> memory.MemoryPlan:
   """A run's per-device memory plan from its config alone: no weights made, no task or data read
   (``fp8jax.rl.memory``; ``scripts/plan_memory.py`` prints it). ``kw``: ``memory.plan``'s temporaries / target."""
   validate_config(config)
   config = resolve_assets(config)
-  cfg = _model_config(config)
-  recipe = recipes.Recipe.from_config(config.fp8)
-  sample_recipe = recipe.sampler_side()
-  mesh = sharding.make_mesh(config.mesh, devices)
-  lcfg = ops.LinearConfig.from_recipe(recipe, mesh=mesh)
-  sampler = sampler_lib.Sampler(cfg, _sampler_config(config, sample_recipe), lcfg)
-  learner = _learner(config, cfg, lcfg, recipe.trainer_side(), mesh, kv_state=sample_recipe.kv_cache == "fp8")
+  learner = learner_from_config(config, devices)
+  sample_recipe = recipes.Recipe.from_config(config.fp8).sampler_side()
+  sampler = sampler_lib.Sampler(learner.cfg, _sampler_config(config, sample_recipe), learner.policy.lcfg)
   return _memory_plan(config, learner, sampler, sample_recipe, **kw)
 
 
