@@ -30,15 +30,34 @@ import tempfile
 
 import fp8jax  # noqa: E402
 
+
+def _no_gpu() -> bool:
+  return shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidia0")
+
+
+# Without a GPU (CI) the suite compiles XLA:CPU programs with LLVM's expensive optimization passes (the vectorizers,
+# among others) off: most of the suite's time is compiling, and this takes ~18% off the compile-bound tests
+# (tests/test_mla_sampler.py + the MoE sampler tests: 163 s -> 134 s on 2 cores, 2026-12-07) while the longest
+# compute-bound test, test_tiny_default_learns, runs as fast either way (228 s vs 232 s). The flag is meant to change
+# how fast the generated code runs, not what it computes (XLA:CPU emits no fast-math flags that would let LLVM
+# reorder floating-point arithmetic), and that was checked: the tiny config's 40-step warm start + 3 GRPO steps end
+# with bitwise the same weights and metrics with and without it (2026-12-07). Every bitwise comparison in the suite
+# is between programs compiled with the same flags anyway. Subprocesses inherit it (the tests that set a device count
+# append to XLA_FLAGS). FP8JAX_TEST_FAST_COMPILE=0 keeps the passes.
+_FAST_COMPILE = "--xla_llvm_disable_expensive_passes=true"
+if _no_gpu() and os.environ.get("FP8JAX_TEST_FAST_COMPILE", "1") != "0" and \
+    _FAST_COMPILE.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
-import jax
-import pytest
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
 
 def _xla_cache_wanted() -> bool:
   flag = os.environ.get("FP8JAX_TEST_XLA_CACHE")
   if flag is not None:
     return flag not in ("", "0")
-  return shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidia0")
+  return _no_gpu()
 
 
 if _xla_cache_wanted():
@@ -84,7 +103,8 @@ def _drop_compiled_when_near_the_map_limit():
     _drop_compiled()
 
 
-# The longest tests (seconds in the clean-clone CI run at ef22b22 on 2 cores, docs/history.md), started first.
+# The longest tests (seconds in a full local run on 2 cores, 2026-12-07, before the tiny-default test went from 100
+# to 60 RL steps and the sharded test lost its 4-device mesh), started first.
 # pytest-xdist's worksteal scheduler (xdist/scheduler/worksteal.py, check_schedule) sends each of the N idle workers
 # one contiguous block of the collection at the start (the first len // N items to the first worker, and so on); a
 # worker runs its block in order, and an idle worker later steals the second half of the longest queue, from its
@@ -94,15 +114,15 @@ def _drop_compiled_when_near_the_map_limit():
 # them at t=0. test_rerun_of_a_finished_run_says_so_and_summarizes_it is not listed any more: it runs
 # small_config's programs, compiled by the in-process trainer tests before it when it keeps its place in the order.
 _LONGEST = {
-    "tests/test_trainer.py::test_tiny_default_learns": 1001,
-    "tests/test_distributed.py::test_two_process_run_equals_one_process_on_the_same_mesh": 413,
-    "tests/test_trainer.py::test_sharded_equals_unsharded_on_4_and_8_fake_devices": 330,
-    "tests/test_moe_parallel.py::test_grpo_step_with_expert_parallelism": 230,
-    "tests/test_parity.py::test_parity_smoke_runs_the_script_and_writes_json_and_png": 140,
-    "tests/test_trainer.py::test_moe_rl_step_with_and_without_the_load_balancing_loss": 124,
-    "tests/test_trainer.py::test_resume_gives_the_same_metrics": 98,
-    "tests/test_moe_parallel.py::test_expert_parallel_block_is_one_device_bitwise": 79,
-    "tests/test_sampler_parallel.py::test_data_parallel_rollouts_equal_one_device": 77,  # alone, 2026-12-05
+    "tests/test_trainer.py::test_tiny_default_learns": 388,
+    "tests/test_distributed.py::test_two_process_run_equals_one_process_on_the_same_mesh": 223,
+    "tests/test_trainer.py::test_sharded_equals_unsharded_on_8_fake_devices": 189,
+    "tests/test_moe_parallel.py::test_grpo_step_with_expert_parallelism": 124,
+    "tests/test_sampler_parallel.py::test_data_parallel_rollouts_equal_one_device": 119,
+    "tests/test_parity.py::test_parity_smoke_runs_the_script_and_writes_json_and_png": 101,
+    "tests/test_trainer.py::test_moe_rl_step_with_and_without_the_load_balancing_loss": 81,
+    "tests/test_trainer.py::test_resume_gives_the_same_metrics": 72,
+    "tests/test_moe_parallel.py::test_expert_parallel_block_is_one_device_bitwise": 44,
 }
 
 

@@ -528,7 +528,7 @@ def test_backend_selection_is_reported_and_pallas_refuses_without_a_gpu(monkeypa
 
 ATTEND_MESH_SCRIPT = r"""
 import os, sys, json, functools
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
 import fp8jax; fp8jax.configure_xla()
 import jax, jax.numpy as jnp, numpy as np

@@ -337,7 +337,7 @@ PER_DEVICE_SCRIPT = r"""
 import os, sys, json, functools
 FAKE = {fake}  # 4 fake CPU devices with interpret-mode stand-ins, else all local GPUs with the Hopper kernels
 if FAKE:
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
 import fp8jax; fp8jax.configure_xla()
 import jax, jax.numpy as jnp, numpy as np
@@ -402,7 +402,7 @@ TP_SCRIPT = r"""
 import os, sys, json, functools
 FAKE = {fake}  # 4 fake CPU devices (fsdp 2 x tensor 2) with interpret-mode stand-ins, else local GPUs, tensor 2
 if FAKE:
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
 import fp8jax; fp8jax.configure_xla()
 import jax, jax.numpy as jnp, numpy as np

@@ -300,7 +300,7 @@ def test_learning_signal_resets_the_count(tmp_path, parity_reward):
 
 SHARDED_SCRIPT = r"""
 import os, sys, json
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
 import fp8jax; fp8jax.configure_xla()
 import jax, numpy as np
@@ -308,8 +308,7 @@ from test_trainer import small_config, _parity_score
 from fp8jax.rl import source, trainer as T
 source.ArithmeticSource.score = _parity_score  # rewards with variance: a real gradient to compare
 out = {{}}
-meshes = (("one", dict(data=1, fsdp=1, tensor=1)), ("four", dict(data=1, fsdp=2, tensor=2)),
-          ("eight", dict(data=2, fsdp=2, tensor=2)))
+meshes = (("one", dict(data=1, fsdp=1, tensor=1)), ("eight", dict(data=2, fsdp=2, tensor=2)))
 for name, mesh in meshes:
   c = small_config()
   c.mesh.update(mesh)
@@ -327,29 +326,28 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def test_sharded_equals_unsharded_on_4_and_8_fake_devices(tmp_path):
-  """One warm start + GRPO step (rewards with variance) on 1, 4 (fsdp 2 x tensor 2) and 8 (data 2 x fsdp 2 x
-  tensor 2) fake CPU devices: the same rollouts (reward_mean equal: sampling is the same computation), loss and
-  gradient norm within FP32 summation order (sharded reductions sum in another order: not bitwise on XLA:CPU), the
-  RL step's update of wq pointing the same way as on one device (cosine >= 0.9: Adam's first step is about
+def test_sharded_equals_unsharded_on_8_fake_devices(tmp_path):
+  """One warm start + GRPO step (rewards with variance) on 1 and 8 (data 2 x fsdp 2 x tensor 2: every axis the
+  recipes shard over) fake CPU devices: the same rollouts (reward_mean equal: sampling is the same computation), loss
+  and gradient norm within FP32 summation order (sharded reductions sum in another order: not bitwise on XLA:CPU),
+  the RL step's update of wq pointing the same way as on one device (cosine >= 0.9: Adam's first step is about
   -lr * sign(g), so only the signs of near-zero gradient entries may differ; a wrong sharded gradient gives ~0),
-  and sampler == trainer on every mesh. The 8-device run rematerializes its layers (the recipes' setting)."""
+  and sampler == trainer on both. The 8-device run rematerializes its layers (the recipes' setting)."""
   script = SHARDED_SCRIPT.format(repo=REPO, tmp=str(tmp_path))
   res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
   assert res.returncode == 0, res.stderr[-3000:]
   out = json.loads(res.stdout.split("RESULT")[-1])
-  assert out["four_spec"] == out["eight_spec"] == ["tensor", "fsdp"]
-  assert (out["one_devices"], out["four_devices"], out["eight_devices"]) == (1, 4, 8)
+  assert out["eight_spec"] == ["tensor", "fsdp"]
+  assert (out["one_devices"], out["eight_devices"]) == (1, 8)
   assert out["one"]["grad_norm"] > 0, out  # a real update to compare
   d1 = np.load(tmp_path / "one_dwq.npy").ravel()
-  for name in ("four", "eight"):
-    assert out["one"]["reward_mean"] == out[name]["reward_mean"], out  # same rollouts
-    for k in ("loss", "grad_norm"):
-      np.testing.assert_allclose(out[name][k], out["one"][k], rtol=2e-2, atol=1e-5)
-    assert abs(out[name]["token_mult_prob_error"] - 1.0) < 1e-4, out
-    d = np.load(tmp_path / f"{name}_dwq.npy").ravel()
-    cos = float(d @ d1 / (np.linalg.norm(d) * np.linalg.norm(d1)))
-    assert cos >= 0.9, (name, cos)
+  assert out["one"]["reward_mean"] == out["eight"]["reward_mean"], out  # same rollouts
+  for k in ("loss", "grad_norm"):
+    np.testing.assert_allclose(out["eight"][k], out["one"][k], rtol=2e-2, atol=1e-5)
+  assert abs(out["eight"]["token_mult_prob_error"] - 1.0) < 1e-4, out
+  d = np.load(tmp_path / "eight_dwq.npy").ravel()
+  cos = float(d @ d1 / (np.linalg.norm(d) * np.linalg.norm(d1)))
+  assert cos >= 0.9, cos
 
 
 def test_tiny_config_lists_every_optimizer_key():
@@ -384,27 +382,28 @@ def test_tiny_default_learns(tmp_path):
 
   XLA:CPU rounds differently on different CPUs, so the trajectory differs by machine; what differs most is when the
   warm start leaves its loss plateau, and so where GRPO starts. Asserted here is what does not depend on that, each
-  with a wide margin, after the first 100 of the job's 200 RL steps (the rest only polishes: half the test's time).
-  Measured at RL step 100 (AMD EPYC): 0.809 -> 0.984 (2026-12-06, the default), training reward 0.745 -> 0.839 (first
-  vs last 30 steps); with a 200-step warm start, a stand-in for a machine where the plateau lasts longer, 0.516 ->
-  0.953 (2026-12-01, 177d3d1); seeds 0-4 left the plateau after 150-250 warm-start steps:
+  with a wide margin, after the first 60 of the job's 200 RL steps (most of the gain comes early; the rest of the
+  job polishes). Measured at RL step 60 (AMD EPYC, 2026-12-07, validation every 10 steps): the default 0.680 ->
+  0.980 (0.918 by step 10), training reward +0.104 (last vs first 20 steps); with a 200-step warm start, a stand-in
+  for a machine where the plateau lasts longer, 0.539 -> 0.863 (0.887 at step 100), +0.119; seeds 0-4 left the
+  plateau after 150-250 warm-start steps:
   * the greedy accuracy (256 held-out problems) is >= 0.8;
-  * GRPO removes at least a third of the warm start's errors (measured: 92%, 90%); a 256-problem accuracy has a
+  * GRPO removes at least a third of the warm start's errors (measured: 94%, 70%); a 256-problem accuracy has a
     sampling std of <= 0.031, so this is a large effect, not noise;
-  * the mean training reward of the last 30 steps exceeds that of the first 30 by >= 0.05 (measured: +0.094): each
-    window averages 30 x 256 sampled completions, so the difference of the two means has a std of <= 0.008 if they
-    were independent (larger, since a group's 8 samples share a prompt): 0.05 is still several of them.
+  * the mean training reward of the last 20 steps exceeds that of the first 20 by >= 0.05 (measured: +0.104,
+    +0.119): each window averages 20 x 256 sampled completions, so the difference of the two means has a std of
+    <= 0.01 if they were independent (larger, since a group's 8 samples share a prompt): 0.05 is still several.
   """
   c = tiny_fp8.get_config()
   c.checkpoint.every = 10**6
-  c.train.steps = 100
+  c.train.steps = 60
   hist = trainer_lib.RLTrainer(c, str(tmp_path)).run(progress=False)
   accs = [h["val_accuracy"] for h in hist if "val_accuracy" in h]
   rewards = [h["reward_mean"] for h in hist if "reward_mean" in h]
   assert len(rewards) == c.train.steps
   assert accs[-1] >= 0.8, accs
   assert 1 - accs[-1] <= (2 / 3) * (1 - accs[0]), accs
-  assert np.mean(rewards[-30:]) >= np.mean(rewards[:30]) + 0.05, (rewards[:30], rewards[-30:])
+  assert np.mean(rewards[-20:]) >= np.mean(rewards[:20]) + 0.05, (rewards[:20], rewards[-20:])
 
 
 @pytest.mark.parametrize("key,value,match", [
