@@ -9,11 +9,14 @@ is set aside with a warning); metrics rows written after that checkpoint are dro
 ``--noresume`` refuses a workdir that already holds a run, because starting over in place would mix the two (orbax
 does not overwrite existing steps): give a new --workdir, or delete the old run's checkpoints/, metrics.jsonl and tb/.
 Errors that stop a run (divergence, a locked or used workdir, a checkpoint made with another model shape) print one
-message and exit with status 1. Multi-process runs: the same command on every process, with JAX_COORDINATOR_ADDRESS,
+message and exit with status 1. SIGTERM (a scheduler's preemption or time limit) finishes the RL step in flight,
+saves its checkpoint and exits with status 143; the same command resumes there (single-process runs; a multi-process
+run keeps SIGTERM's default and resumes from its last periodic checkpoint). Multi-process runs: the same command on every process, with JAX_COORDINATOR_ADDRESS,
 JAX_NUM_PROCESSES and JAX_PROCESS_ID set (fp8jax/distributed.py).
 """
 
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo (configs/, fp8jax/)
@@ -59,6 +62,7 @@ def main(argv):
       plan = trainer.memory_plan
       print(f"memory per device (plan, scripts/plan_memory.py): rollout {plan.phase('rollout') / 2**30:.2f} GiB, "
             f"train step {plan.phase('train') / 2**30:.2f} GiB with XLA's compiled temporaries")
+    trainer.stop_on_signals()  # SIGTERM (a scheduler's preemption or time limit): finish the step, save, exit 143
     history = trainer.run(_STEPS.value)
     if _EXPORT.value and distributed.is_primary():
       trainer.export(_EXPORT.value, merged=_MERGED.value)
@@ -80,6 +84,9 @@ def main(argv):
   print(f"validation accuracy: {first.get('val_accuracy', float('nan')):.3f} (after warm-start) -> "
         f"{last.get('val_accuracy', float('nan')):.3f} (step {last.get('step')})")
   print(f"metrics: {os.path.join(trainer.workdir, 'metrics.jsonl')}  plot: {os.path.join(trainer.workdir, 'metrics.png')}")
+  if trainer.stop_reason is not None:
+    print(f"stopped early by {trainer.stop_reason}: the same command resumes from the last checkpoint")
+    sys.exit(128 + int(getattr(signal.Signals, trainer.stop_reason, signal.SIGTERM)))
 
 
 if __name__ == "__main__":

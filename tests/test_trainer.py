@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -204,6 +205,39 @@ def test_resume_gives_the_same_metrics(tmp_path, parity_reward):
   assert [r["step"] for r in rows_b] == [0, 1, 2, 3]
   for ra, rb in zip(rows_a, rows_b):  # (the 2-step run also validated at its last step, 2)
     assert all(ra.get(k) == rb.get(k) for k in DETERMINISTIC if k != "val_accuracy"), (ra, rb)
+
+
+def test_a_stop_request_finishes_the_step_saves_and_resumes(tmp_path, monkeypatch):
+  """``request_stop`` (what SIGTERM calls in scripts/train.py: ``stop_on_signals``) during RL step 2 of 3: the run
+  returns after that step with its checkpoint saved (checkpoint.every is 10**6: no periodic one) and no later row;
+  the same run then resumes there and finishes. A stop requested between steps (after a row was written, before
+  the next step starts) saves the step just finished too. The handler: SIGTERM sets the reason and nothing else."""
+  c = small_config(**{"checkpoint.every": 10**6})
+  c.train.steps = 3
+  tr = trainer_lib.RLTrainer(c, str(tmp_path / "a"))
+  launch = tr.launch
+  monkeypatch.setattr(tr, "launch", lambda step: (step == 1 and tr.request_stop("test")) or launch(step))
+  hist = tr.run(progress=False)
+  assert [h["step"] for h in hist] == [0, 1, 2] and tr.stop_reason == "test"
+  assert tr.ckpt.all_steps() == [2]
+  again = trainer_lib.RLTrainer(c, str(tmp_path / "a"))
+  assert [h["step"] for h in again.run(progress=False)] == [3] and again.stop_reason is None
+  assert again.ckpt.latest_step() == 3
+
+  tr = trainer_lib.RLTrainer(c, str(tmp_path / "b"))
+  row = tr._row
+  monkeypatch.setattr(tr, "_row", lambda w, launched, m, steps: (row(w, launched, m, steps),
+                                                                 launched.step == 0 and tr.request_stop("test"))[0])
+  assert [h["step"] for h in tr.run(progress=False)] == [0, 1] and tr.ckpt.all_steps() == [1]
+
+  previous = signal.getsignal(signal.SIGTERM)
+  try:
+    tr.stop_reason = None
+    tr.stop_on_signals()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert tr.stop_reason == "SIGTERM"
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def test_nonfinite_loss_stops_and_keeps_last_checkpoint(tmp_path):

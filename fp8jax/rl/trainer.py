@@ -42,6 +42,7 @@ import json
 import logging
 import math
 import os
+import signal
 import time
 from typing import Any
 
@@ -265,6 +266,8 @@ class RLTrainer:
     if limit is not None:
       memory.check(self.memory_plan, limit)
     self._early_refit = None  # ``_run``'s refit of the next step, dispatched before the previous step's fetch
+    self.stop_reason: str | None = None  # set by ``request_stop``: the loop saves and returns after the current step
+    self._saved_step = None  # the step of the last checkpoint this object wrote
     self._no_signal = 0  # RL steps in a row without a learning signal (``_check_signal``)
     # Where the params came from: "init" (seeded; the warm start runs from it), "warm start", "pretrained" (an HF
     # checkpoint or load_pretrained) or "checkpoint" (a resumed run). Not run state: a resume never warm-starts.
@@ -493,6 +496,7 @@ class RLTrainer:
   def save(self, step: int):
     # The LoRA base is not saved (the checkpoint names it: _lora_meta); the adapters and their optimizer are.
     self.ckpt.save(step, dataclasses.replace(self.state, base=None), self._meta(step))
+    self._saved_step = step
 
   def export(self, out_dir: str, *, merged: str | None = None) -> None:
     """Writes the current policy for transformers / PEFT / vLLM. LoRA runs: the adapters in PEFT's format in
@@ -612,6 +616,23 @@ class RLTrainer:
 
   # -- the loop -----------------------------------------------------------------------------------------------------
 
+  def request_stop(self, reason: str) -> None:
+    """Asks ``run`` to stop early and resumably: the RL step in flight is finished, its row written and a checkpoint
+    saved, and ``run`` returns (``stop_reason`` says why; the same command resumes). Safe to call from a signal
+    handler (it only sets a field): ``stop_on_signals``."""
+    self.stop_reason = reason
+
+  def stop_on_signals(self, signals=(signal.SIGTERM,)) -> None:
+    """Makes ``signals`` (default SIGTERM: what a scheduler sends before preempting or at a time limit) call
+    ``request_stop``. Single-process runs only: in a multi-process run each process would stop after a different
+    step, so there the signals keep their default action (the last checkpoint is where such a run resumes)."""
+    if jax.process_count() > 1:
+      log.warning("stop_on_signals: a multi-process run keeps the default action of %s (the last checkpoint is "
+                  "where it resumes)", ", ".join(signal.Signals(s).name for s in signals))
+      return
+    for s in signals:
+      signal.signal(s, lambda signum, frame: self.request_stop(signal.Signals(signum).name))
+
   def run(self, steps: int | None = None, *, progress: bool = True) -> list[dict]:
     """Runs (or resumes) the loop up to ``steps`` RL steps, holding the run directory's lock throughout."""
     steps = self.total_steps if steps is None else int(steps)
@@ -628,7 +649,7 @@ class RLTrainer:
     if done % self.c.train.val_every == 0 or done == steps:
       metrics.update(self.validate())
     t = time.perf_counter()
-    if done % self.c.checkpoint.every == 0 or done == steps:
+    if done % self.c.checkpoint.every == 0 or done == steps or self.stop_reason:
       self.save(done)
     metrics["ckpt_s"] = time.perf_counter() - t
     return writer.write(done, metrics)
@@ -636,7 +657,8 @@ class RLTrainer:
   def _due(self, step: int, steps: int) -> bool:
     """Whether RL step ``step`` (0-based) validates or saves: its metrics are checked before either."""
     done = step + 1
-    return done % self.c.train.val_every == 0 or done % self.c.checkpoint.every == 0 or done == steps
+    return (done % self.c.train.val_every == 0 or done % self.c.checkpoint.every == 0 or done == steps
+            or self.stop_reason is not None)
 
   def _run(self, steps: int, progress: bool) -> list[dict]:
     if self.c.checkpoint.resume:
@@ -663,12 +685,20 @@ class RLTrainer:
           self._early_refit = (self.worker.refit(self.learner.weights(self.state)), None)
           history.append(self._row(writer, pending, self.finish(pending), steps))
           self._early_refit, pending = (self._early_refit[0], time.perf_counter()), None
+        if self.stop_reason is not None:
+          # the step a stop was requested in saved its checkpoint (``_row``); one requested just after a step's row
+          # was written finds that step unsaved
+          if step > start and self._saved_step != step:
+            self.save(step)
+          log.warning("stopped after RL step %d (%s)%s; the same command resumes", step, self.stop_reason,
+                      ", its checkpoint saved" if step > start else ": no step ran, nothing new saved")
+          break
         launched = self.launch(step)
         if self._due(step, steps):
           history.append(self._row(writer, launched, self.finish(launched), steps))
         else:
           pending = launched
-      assert pending is None  # the last step is always due
+      assert pending is None  # the last step is always due, and so is a step during which a stop was requested
     finally:
       writer.close()
     if distributed.is_primary():
