@@ -11,8 +11,8 @@ does not overwrite existing steps): give a new --workdir, or delete the old run'
 Errors that stop a run (divergence, a locked or used workdir, a checkpoint made with another model shape) print one
 message and exit with status 1. SIGTERM (a scheduler's preemption or time limit) finishes the RL step in flight,
 saves its checkpoint and exits with status 143; the same command resumes there (single-process runs; a multi-process
-run keeps SIGTERM's default and resumes from its last periodic checkpoint). Multi-process runs: the same command on every process, with JAX_COORDINATOR_ADDRESS,
-JAX_NUM_PROCESSES and JAX_PROCESS_ID set (fp8jax/distributed.py).
+run keeps SIGTERM's default and resumes from its last periodic checkpoint). Multi-process runs: the same command on
+every process, with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set (fp8jax/distributed.py).
 """
 
 import os
