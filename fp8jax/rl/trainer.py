@@ -649,7 +649,7 @@ class RLTrainer:
     if done % self.c.train.val_every == 0 or done == steps:
       metrics.update(self.validate())
     t = time.perf_counter()
-    if done % self.c.checkpoint.every == 0 or done == steps or self.stop_reason:
+    if done % self.c.checkpoint.every == 0 or done == steps:
       self.save(done)
     metrics["ckpt_s"] = time.perf_counter() - t
     return writer.write(done, metrics)
@@ -686,8 +686,8 @@ class RLTrainer:
           history.append(self._row(writer, pending, self.finish(pending), steps))
           self._early_refit, pending = (self._early_refit[0], time.perf_counter()), None
         if self.stop_reason is not None:
-          # the step a stop was requested in saved its checkpoint (``_row``); one requested just after a step's row
-          # was written finds that step unsaved
+          # the one place a stop saves: after the row of the step it was requested in (``_due`` made that step write
+          # its row at once), or of the step just finished when it came between steps; unless ``_row`` just did
           if step > start and self._saved_step != step:
             self.save(step)
           log.warning("stopped after RL step %d (%s)%s; the same command resumes", step, self.stop_reason,
