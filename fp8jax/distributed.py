@@ -55,6 +55,24 @@ def initialize_from_env(environ=None) -> bool:
   jax.distributed.initialize(**kw)
   log.warning("fp8jax: process %d of %d, %d local / %d global devices", jax.process_index(), jax.process_count(),
               jax.local_device_count(), jax.device_count())
+  persistent_cache_guard(jax.default_backend(), jax.process_count())
+  return True
+
+
+def persistent_cache_guard(backend: str, process_count: int) -> bool:
+  """Turns JAX's persistent compilation cache off for a multi-process run on CPU, with a warning; returns whether
+  it did. Such a run aborts once the cache holds its programs (seen with jax 0.11.2: the same 2-process
+  ``scripts/train.py`` command run twice with one JAX_COMPILATION_CACHE_DIR stops in the warm start's first
+  cross-process gather with gloo's "Received data size doesn't match expected size"; with the cache off it runs and
+  resumes). The cache only saves compile time: turning it off changes no result. Other backends keep it."""
+  if backend != "cpu" or process_count < 2:
+    return False
+  if not (jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir):
+    return False
+  log.warning("fp8jax: JAX's persistent compilation cache (%s) is off for this %d-process CPU run: with cached "
+              "programs the processes' gloo collectives stop matching (fp8jax.distributed.persistent_cache_guard)",
+              jax.config.jax_compilation_cache_dir, process_count)
+  jax.config.update("jax_enable_compilation_cache", False)
   return True
 
 

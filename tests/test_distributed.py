@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -28,6 +29,25 @@ def test_partial_or_bad_settings_name_the_variable():
     distributed.initialize_from_env(bad)
   with pytest.raises(ValueError, match=r"JAX_PROCESS_ID=2 must be in \[0, JAX_NUM_PROCESSES=2\)"):
     distributed.initialize_from_env(dict(bad, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="2"))
+
+
+def test_the_persistent_cache_is_turned_off_for_multi_process_cpu_runs(tmp_path, caplog):
+  """A multi-process CPU run aborts in gloo once JAX's persistent cache holds its programs (the guard's docstring):
+  initialize_from_env turns the cache off there, saying so; single-process and non-CPU runs keep it."""
+  saved = jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir
+  try:
+    jax.config.update("jax_compilation_cache_dir", saved[1] or str(tmp_path))
+    jax.config.update("jax_enable_compilation_cache", True)
+    assert not distributed.persistent_cache_guard("gpu", 2)
+    assert not distributed.persistent_cache_guard("cpu", 1)
+    assert jax.config.jax_enable_compilation_cache and not caplog.records
+    with caplog.at_level("WARNING", logger="fp8jax.distributed"):
+      assert distributed.persistent_cache_guard("cpu", 2)
+    assert not jax.config.jax_enable_compilation_cache
+    assert "persistent compilation cache" in caplog.text and "2-process CPU run" in caplog.text
+  finally:
+    jax.config.update("jax_enable_compilation_cache", saved[0])
+    jax.config.update("jax_compilation_cache_dir", saved[1])
 
 
 def _free_port() -> int:

@@ -163,15 +163,16 @@ def test_table_from_runs_of_a_pretrained_model_needs_no_warm_start(tmp_path):
 
 
 def test_parity_smoke_runs_the_script_and_writes_json_and_png(tmp_path):
-  """scripts/parity.py --smoke, end to end (three of the arms, to keep CI short): one BF16 warm start, the arms from
-  it, the table, the JSON and the PNG."""
+  """scripts/parity.py --smoke, end to end (two of the arms, to keep CI short: BF16 and FP8 in generation only with
+  recompute + TIS, the arm with the most machinery; the generation-only trainer runs in tests/test_trainer.py): one
+  BF16 warm start, the arms from it, the table, the JSON and the PNG."""
   out = tmp_path / "parity.json"
   cmd = [sys.executable, os.path.join(REPO, "scripts", "parity.py"), "--smoke", "--steps=2",
-         "--arms=bf16,fp8_rollout,fp8_rollout_tis", f"--workdir={tmp_path / 'runs'}", f"--out={out}"]
+         "--arms=bf16,fp8_rollout_tis", f"--workdir={tmp_path / 'runs'}", f"--out={out}"]
   res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
   assert res.returncode == 0, res.stderr[-3000:]
   result = json.loads(out.read_text())
-  assert list(result["arms"]) == ["bf16", "fp8_rollout", "fp8_rollout_tis"]
+  assert list(result["arms"]) == ["bf16", "fp8_rollout_tis"]
   for name, arm in result["arms"].items():
     assert name in res.stdout
     (run,) = arm["runs"]
@@ -182,7 +183,7 @@ def test_parity_smoke_runs_the_script_and_writes_json_and_png(tmp_path):
     assert abs(run["start_val_accuracy"] - result["warmstart"]["val_accuracy"]) <= tol
     assert set(arm["summary"]) == set(parity.SUMMARY_KEYS)
   mm = {n: a["summary"]["token_mult_prob_error"]["mean"] for n, a in result["arms"].items()}
-  assert mm["bf16"] <= 1 + 1e-5 and mm["fp8_rollout"] > 1 + 1e-4 and mm["fp8_rollout_tis"] > 1 + 1e-4, mm
+  assert mm["bf16"] <= 1 + 1e-5 and mm["fp8_rollout_tis"] > 1 + 1e-4, mm
   png = tmp_path / "parity.png"
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert result["provenance"]["command"].startswith(cmd[1])
