@@ -267,7 +267,6 @@ class RLTrainer:
       memory.check(self.memory_plan, limit)
     self._early_refit = None  # ``_run``'s refit of the next step, dispatched before the previous step's fetch
     self.stop_reason: str | None = None  # set by ``request_stop``: the loop saves and returns after the current step
-    self._saved_step = None  # the step of the last checkpoint this object wrote
     self._no_signal = 0  # RL steps in a row without a learning signal (``_check_signal``)
     # Where the params came from: "init" (seeded; the warm start runs from it), "warm start", "pretrained" (an HF
     # checkpoint or load_pretrained) or "checkpoint" (a resumed run). Not run state: a resume never warm-starts.
@@ -496,7 +495,6 @@ class RLTrainer:
   def save(self, step: int):
     # The LoRA base is not saved (the checkpoint names it: _lora_meta); the adapters and their optimizer are.
     self.ckpt.save(step, dataclasses.replace(self.state, base=None), self._meta(step))
-    self._saved_step = step
 
   def export(self, out_dir: str, *, merged: str | None = None) -> None:
     """Writes the current policy for transformers / PEFT / vLLM. LoRA runs: the adapters in PEFT's format in
@@ -688,7 +686,7 @@ class RLTrainer:
         if self.stop_reason is not None:
           # the one place a stop saves: after the row of the step it was requested in (``_due`` made that step write
           # its row at once), or of the step just finished when it came between steps; unless ``_row`` just did
-          if step > start and self._saved_step != step:
+          if step > start and self.ckpt.latest_step() != step:
             self.save(step)
           log.warning("stopped after RL step %d (%s)%s; the same command resumes", step, self.stop_reason,
                       ", its checkpoint saved" if step > start else ": no step ran, nothing new saved")
