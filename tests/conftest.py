@@ -103,8 +103,7 @@ def _drop_compiled_when_near_the_map_limit():
     _drop_compiled()
 
 
-# The longest tests (seconds in a full local run on 2 cores, 2026-12-07, before the tiny-default test went from 100
-# to 60 RL steps and the sharded test lost its 4-device mesh), started first.
+# The longest tests (seconds in a full local run on 2 cores, 2026-12-07), started first.
 # pytest-xdist's worksteal scheduler (xdist/scheduler/worksteal.py, check_schedule) sends each of the N idle workers
 # one contiguous block of the collection at the start (the first len // N items to the first worker, and so on); a
 # worker runs its block in order, and an idle worker later steals the second half of the longest queue, from its
@@ -114,15 +113,15 @@ def _drop_compiled_when_near_the_map_limit():
 # them at t=0. test_rerun_of_a_finished_run_says_so_and_summarizes_it is not listed any more: it runs
 # small_config's programs, compiled by the in-process trainer tests before it when it keeps its place in the order.
 _LONGEST = {
-    "tests/test_trainer.py::test_tiny_default_learns": 388,
-    "tests/test_distributed.py::test_two_process_run_equals_one_process_on_the_same_mesh": 223,
-    "tests/test_trainer.py::test_sharded_equals_unsharded_on_8_fake_devices": 189,
-    "tests/test_moe_parallel.py::test_grpo_step_with_expert_parallelism": 124,
-    "tests/test_sampler_parallel.py::test_data_parallel_rollouts_equal_one_device": 119,
-    "tests/test_parity.py::test_parity_smoke_runs_the_script_and_writes_json_and_png": 101,
-    "tests/test_trainer.py::test_moe_rl_step_with_and_without_the_load_balancing_loss": 81,
-    "tests/test_trainer.py::test_resume_gives_the_same_metrics": 72,
-    "tests/test_moe_parallel.py::test_expert_parallel_block_is_one_device_bitwise": 44,
+    "tests/test_trainer.py::test_tiny_default_learns": 337,
+    "tests/test_distributed.py::test_two_process_run_equals_one_process_on_the_same_mesh": 241,
+    "tests/test_sampler_parallel.py::test_data_parallel_rollouts_equal_one_device": 105,
+    "tests/test_moe_parallel.py::test_grpo_step_with_expert_parallelism": 104,
+    "tests/test_trainer.py::test_sharded_equals_unsharded_on_8_fake_devices": 98,
+    "tests/test_trainer.py::test_moe_rl_step_with_and_without_the_load_balancing_loss": 78,
+    "tests/test_parity.py::test_parity_smoke_runs_the_script_and_writes_json_and_png": 77,
+    "tests/test_trainer.py::test_resume_gives_the_same_metrics": 63,
+    "tests/test_moe_parallel.py::test_expert_parallel_block_is_one_device_bitwise": 41,
 }
 
 

@@ -22,11 +22,7 @@ from __future__ import annotations
 
 import functools
 import types
-import json
 import logging
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +35,7 @@ from fp8jax import backends, kvcache
 from pallas_kernels import attention as ref
 from pallas_kernels import attention_triton as kern
 from pallas_kernels.lowering import lower_for_h200
+import child_process  # tests/child_process.py
 
 requires_gpu = pytest.mark.skipif(not attn._gpu_available(), reason="needs a CUDA GPU")
 
@@ -527,10 +524,7 @@ def test_backend_selection_is_reported_and_pallas_refuses_without_a_gpu(monkeypa
 
 
 ATTEND_MESH_SCRIPT = r"""
-import os, sys, json, functools
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
-import fp8jax; fp8jax.configure_xla()
+import functools
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fp8jax import attention as attn
@@ -559,7 +553,7 @@ out = dict(dense=bool((go(None, qd, ck, cv, ps[:, None]) == go(mesh, qd, ck, cv,
            paged_vs_dense=bool((go(mesh, qd, pk, pv, ps[:, None], pt=table) == go(None, qd, ck, cv, ps[:, None])).all()),
            shard_map="shard_map" in str(jax.make_jaxpr(lambda q, k, v, p: attn.attend(
                q, k, v, p, k_scale=ks, v_scale=vs, mesh=mesh, page_table=table))(qd, pk, pv, ps[:, None])))
-print("RESULT" + json.dumps(out))
+report(out)
 """
 
 
@@ -567,11 +561,7 @@ def test_attend_runs_per_device_on_a_mesh_dense_and_paged():
   """On 4 fake devices (sequences over data x heads over tensor), the kernels run under shard_map, each device on its
   sequences and heads; a paged cache's pool is split by heads only (every device holds every page) and its page
   table by sequences. Decode rows bitwise the one-device rows, dense and paged (interpret-mode kernels)."""
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  res = subprocess.run([sys.executable, "-c", ATTEND_MESH_SCRIPT.format(repo=repo)], capture_output=True, text=True,
-                       timeout=600)
-  assert res.returncode == 0, res.stderr[-3000:]
-  out = json.loads(res.stdout.split("RESULT")[-1])
+  out = child_process.run(ATTEND_MESH_SCRIPT, devices=4, timeout=600)
   assert out == {"dense": True, "paged": True, "paged_vs_dense": True, "shard_map": True}, out
 
 

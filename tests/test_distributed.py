@@ -12,6 +12,7 @@ import pytest
 
 from fp8jax import distributed
 from fp8jax.checkpoint import MANIFEST
+import child_process  # tests/child_process.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config=configs/tiny_fp8.py", "--config.warmstart.steps=3", "--config.train.steps=2",
@@ -66,15 +67,9 @@ TRAIN_WITH_PARITY_REWARD = (
         repo=REPO, tests=os.path.join(REPO, "tests"), script=os.path.join(REPO, "scripts", "train.py"))
 
 
-def _device_flags(n: int) -> str:
-  """XLA_FLAGS for a subprocess with ``n`` CPU devices (the suite's own flags kept: tests/conftest.py)."""
-  return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
-
-
 def _train(workdir, env_extra, devices_per_process):
-  env = dict(os.environ, XLA_FLAGS=_device_flags(devices_per_process), **env_extra)
   return subprocess.Popen([sys.executable, "-c", TRAIN_WITH_PARITY_REWARD, *TINY, f"--workdir={workdir}"],
-                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          cwd=REPO, env=child_process.env(devices_per_process, **env_extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _rows(workdir):
@@ -111,9 +106,9 @@ def test_two_process_run_equals_one_process_on_the_same_mesh(tmp_path):
   port = _free_port()
   procs = [subprocess.Popen(p.args + ["--config.train.steps=3"], cwd=REPO, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE,
-                            env=dict(os.environ, XLA_FLAGS=_device_flags(1),
-                                     JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
-                                     JAX_PROCESS_ID=str(i))) for i, p in enumerate(procs)]
+                            env=child_process.env(1, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                                                  JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
+           for i, p in enumerate(procs)]
   errs = []
   for p in procs:
     _, err = p.communicate(timeout=900)

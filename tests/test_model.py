@@ -269,10 +269,7 @@ def test_rms_norm_does_not_overflow_where_values_are_finite():
 
 
 TP_MODEL_SCRIPT = r"""
-import os, sys, json, functools
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
-import fp8jax; fp8jax.configure_xla()
+import functools
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fp8jax import ops, recipes, sharding
@@ -299,9 +296,8 @@ ps = jax.device_put(params, sharding.tree_shardings(params, mesh))
 many = np.asarray(fwd(lcfg)(ps, jax.device_put(toks, sharding.batch_sharding(mesh, 2))), np.float32)
 row = np.asarray(fwd(lcfg)(ps, toks[1:2]), np.float32)  # one sequence: rows not split, tensor shards still
 jaxpr = str(jax.make_jaxpr(lambda p, t: forward(p, t, cfg, lcfg)[0])(ps, toks))
-print("RESULT" + json.dumps(dict(rel=float(np.abs(many - one).max() / np.abs(one).max()),
-                                 row_bitwise=bool((row == many[1:2]).all()), shard_maps=jaxpr.count("shard_map"),
-                                 all_gathers=jaxpr.count("all_gather"))))
+report(dict(rel=float(np.abs(many - one).max() / np.abs(one).max()), row_bitwise=bool((row == many[1:2]).all()),
+            shard_maps=jaxpr.count("shard_map"), all_gathers=jaxpr.count("all_gather")))
 """
 
 
@@ -312,15 +308,8 @@ def test_tensor_parallel_forward_on_fake_devices():
   hidden states stay within 2^-6 of one device's (two row-parallel BF16 roundings per layer, compounding through 2
   layers and the final norm), and one sequence alone is bitwise its row of the 4-sequence batch (the sampler's
   rows are the trainer's under tensor parallelism too)."""
-  import json  # noqa: PLC0415
-  import os  # noqa: PLC0415
-  import subprocess  # noqa: PLC0415
-  import sys  # noqa: PLC0415
+  import child_process  # noqa: PLC0415
 
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  res = subprocess.run([sys.executable, "-c", TP_MODEL_SCRIPT.format(repo=repo)], capture_output=True, text=True,
-                       timeout=600)
-  assert res.returncode == 0, res.stderr[-3000:]
-  out = json.loads(res.stdout.split("RESULT")[-1])
+  out = child_process.run(TP_MODEL_SCRIPT, devices=4, timeout=600)
   assert out["shard_maps"] == (7 + 4) * 2 + 1 and out["all_gathers"] >= 2 * 2, out
   assert out["row_bitwise"] and out["rel"] <= 2.0**-6, out

@@ -3,10 +3,6 @@ an ``expert`` axis against one device; the mesh and sharding rules of the expert
 
 import fp8jax  # noqa: F401  (before any JAX computation)
 
-import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,15 +11,10 @@ from jax.sharding import PartitionSpec as P
 
 from fp8jax import sharding
 from fp8jax.model import ModelConfig, param_shapes
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import child_process  # tests/child_process.py
 
 BLOCK_SCRIPT = r"""
-import os, sys, json
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
 import dataclasses
-import fp8jax; fp8jax.configure_xla()
 import jax, jax.numpy as jnp, numpy as np
 from fp8jax import ops, quant, sharding
 from fp8jax import recipes
@@ -32,7 +23,7 @@ from fp8jax.model import ModelConfig, init_params, moe
 cfg = ModelConfig(vocab_size=192, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256,
                   qk_norm=True, n_experts=8, n_experts_per_tok=2, moe_ffn_dim=128, norm_topk_prob=True)
 rec = recipes.Recipe(mode="fp8", gemm_backend="xla")
-layer = recipes.mark_fp8({{"layers": [init_params(cfg, seed=0)["layers"][0]]}}, rec)["layers"][0]
+layer = recipes.mark_fp8({"layers": [init_params(cfg, seed=0)["layers"][0]]}, rec)["layers"][0]
 devs = np.asarray(jax.devices())
 
 def run(mesh, x, c=cfg):
@@ -44,9 +35,9 @@ def run(mesh, x, c=cfg):
   p = layer if mesh is None else jax.device_put(layer, sharding.tree_shardings(layer, mesh))
   (_, out), (gp, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(p, x)
   f32 = lambda a: np.asarray(a, np.float32)
-  return f32(out), {{k: f32(jax.tree.leaves(v)[0]) for k, v in gp.items()}}, f32(gx), p
+  return f32(out), {k: f32(jax.tree.leaves(v)[0]) for k, v in gp.items()}, f32(gx), p
 
-res = {{}}
+res = {}
 meshes = (("e4", dict(expert=4)), ("f2e2", dict(fsdp=2, expert=2)), ("e2t2", dict(expert=2, tensor=2)))
 for shape in ((4, 24), (3, 5)):  # 96 tokens; 15 tokens: padded to a multiple of the 4 devices
   x = jax.random.normal(jax.random.key(1), (*shape, cfg.dim), jnp.float32).astype(jnp.bfloat16)
@@ -59,32 +50,32 @@ for shape in ((4, 24), (3, 5)):  # 96 tokens; 15 tokens: padded to a multiple of
     for k in ("expert_gate", "expert_up", "expert_down", "router"):
       a, b = gp[k], one[1][k]
       r[k] = dict(bitwise=bool((a == b).all()), rel=float(np.linalg.norm(a - b) / np.linalg.norm(b)))
-    res[f"{{name}}_{{shape[0] * shape[1]}}"] = r
+    res[f"{name}_{shape[0] * shape[1]}"] = r
 try:
   run(sharding.make_mesh(dict(expert=4), devs), x, dataclasses.replace(cfg, n_experts=6))
   res["error"] = None
 except ValueError as e:
   res["error"] = str(e)
-print("RESULT" + json.dumps(res))
+report(res)
 """
 
 STEP_SCRIPT = r"""
-import os, sys, json
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
-import fp8jax; fp8jax.configure_xla()
 import jax, numpy as np
 from test_trainer import small_moe_config, _parity_score
 from fp8jax.rl import source, trainer as T
 source.ArithmeticSource.score = _parity_score  # rewards with variance: a real gradient to compare
-out = {{}}
+out, warm = {{}}, None
 for name, mesh in (("one", dict(data=1, fsdp=1, expert=1, tensor=1)), ("ep", dict(data=1, fsdp=1, expert=4, tensor=1))):
   c = small_moe_config()
   c.optim.eps = 1.0  # Adam's first step then ~ -lr * g (not -lr * sign(g)): the update compares the gradients
   c.mesh.update(mesh)
   n = int(np.prod(list(mesh.values())))
   tr = T.RLTrainer(c, os.path.join({tmp!r}, name), devices=jax.devices()[:n])
-  tr.warmstart()
+  if warm is None:
+    tr.warmstart()
+    warm = jax.device_get(tr.state.params)
+  else:  # the one-device warm start's weights, placed on this mesh (the RL step is what is compared)
+    tr.state = tr.learner.init_state(warm)
   before = np.asarray(tr.state.params["layers"][0]["expert_up"])
   m = tr.step(0)
   out[name] = {{k: float(m[k]) for k in ("loss", "grad_norm", "reward_mean", "token_mult_prob_error",
@@ -92,15 +83,8 @@ for name, mesh in (("one", dict(data=1, fsdp=1, expert=1, tensor=1)), ("ep", dic
   w = tr.state.params["layers"][0]["expert_up"]
   out[name + "_spec"] = [str(s) for s in w.sharding.spec]
   np.save(os.path.join({tmp!r}, name + "_dw.npy"), np.asarray(w) - before)
-print("RESULT" + json.dumps(out))
+report(out)
 """
-
-
-def _run(script: str, **fmt) -> dict:
-  res = subprocess.run([sys.executable, "-c", script.format(repo=REPO, **fmt)], capture_output=True, text=True,
-                       timeout=900)
-  assert res.returncode == 0, res.stderr[-3000:]
-  return json.loads(res.stdout.split("RESULT")[-1])
 
 
 def test_expert_parallel_block_is_one_device_bitwise():
@@ -111,7 +95,7 @@ def test_expert_parallel_block_is_one_device_bitwise():
   token groups (1x128 over each device's tokens), so they agree within FP8 rounding (relative Frobenius error
   <= 5e-2; a wrong or missing partial gives >= 0.5). 15 tokens (not a multiple of 4: padded) alike. An expert count
   that the expert axis does not divide is refused naming both keys."""
-  out = _run(BLOCK_SCRIPT)
+  out = child_process.run(BLOCK_SCRIPT, devices=4)
   error = out.pop("error")
   assert error is not None and "mesh.expert=4" in error and "model.n_experts=6" in error, error
   assert set(out) == {f"{m}_{n}" for m in ("e4", "f2e2", "e2t2") for n in (96, 15)}
@@ -126,16 +110,17 @@ def test_expert_parallel_block_is_one_device_bitwise():
 
 
 def test_grpo_step_with_expert_parallelism(tmp_path):
-  """configs/tiny_moe_fp8.py, one GRPO step (rewards with variance) on one device and on 4 fake devices with the
-  4 experts of each layer one per device (expert 4: every other weight replicated, tokens split 4 ways): the same
-  rollouts (equal reward mean; data-parallel rollouts, each device its 4 of the 16 slots with every expert),
-  sampler == trainer exactly on the expert-parallel mesh (the training rows through the experts' exchange), loss and gradient norm within summation order
-  (the replicated weights' gradients are summed over the 4 devices), the experts' update (Adam with eps 1: about
-  -lr x gradient) pointing the same way (cosine >= 0.99: the summation-order differences upstream round FP8
-  differently; a wrong expert gradient gives ~0), the expert weights stored split over the expert axis. (With
-  fsdp > 1 the sampler vs trainer reads 1.0000001 on CPU, with or without experts split: the output head as XLA
-  partitions it inside the whole program, every decoder block being bitwise; README, "Multi-GPU".)"""
-  out = _run(STEP_SCRIPT, tmp=str(tmp_path))
+  """configs/tiny_moe_fp8.py, one GRPO step (rewards with variance) from one warm start on one device and on 4 fake
+  devices with the 4 experts of each layer one per device (expert 4: every other weight replicated, tokens split 4
+  ways): the same rollouts (equal reward mean; data-parallel rollouts, each device its 4 of the 16 slots with every
+  expert), sampler == trainer exactly on the expert-parallel mesh (the training rows through the experts'
+  exchange), loss and gradient norm within summation order (the replicated weights' gradients are summed over the 4
+  devices), the experts' update (Adam with eps 1: about -lr x gradient) pointing the same way (cosine >= 0.99: the
+  summation-order differences upstream round FP8 differently; a wrong expert gradient gives ~0), the expert weights
+  stored split over the expert axis. (With fsdp > 1 the sampler vs trainer reads 1.0000001 on CPU, with or without
+  experts split: the output head as XLA partitions it inside the whole program, every decoder block being bitwise;
+  README, "Multi-GPU".)"""
+  out = child_process.run(STEP_SCRIPT.format(tmp=str(tmp_path)), devices=4)
   assert out["ep_spec"][0] == "expert", out
   assert out["one"]["grad_norm"] > 0, out
   assert out["one"]["reward_mean"] == out["ep"]["reward_mean"], out

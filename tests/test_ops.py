@@ -4,11 +4,7 @@ import fp8jax
 
 import dataclasses
 import functools
-import json
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +15,7 @@ from fp8jax import ops, quant
 
 from fp8jax import backends
 from pallas_kernels import fp8_gemm
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import child_process  # tests/child_process.py
 
 # These check the XLA path's own math (bitwise/1e-6 against the FP32 reference, its batch invariance) or need fake
 # CPU devices. On a GPU, linear takes the Pallas path, which the GPU tests of test_fp8_gemm_kernels.py and
@@ -334,12 +329,8 @@ def test_bad_weight_rank_and_complex_inputs_are_refused():
 
 
 PER_DEVICE_SCRIPT = r"""
-import os, sys, json, functools
+import functools
 FAKE = {fake}  # 4 fake CPU devices with interpret-mode stand-ins, else all local GPUs with the Hopper kernels
-if FAKE:
-  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
-import fp8jax; fp8jax.configure_xla()
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fp8jax import ops, quant
@@ -375,7 +366,7 @@ same = lambda i: bool((one[i] == many[i]).all())
 rel = lambda i: float(np.abs(one[i] - many[i]).max() / np.abs(one[i]).max())
 out = dict(y=same(0), dx=same(1), yq=same(3), dw_rel=rel(2), y_bf16=same(4), dx_bf16=same(5), dw_bf16_rel=rel(6),
            shard_maps=jaxpr.count("shard_map"), psum=jaxpr.count("psum"))
-print("RESULT" + json.dumps(out))
+report(out)
 """
 
 
@@ -383,10 +374,7 @@ def _check_per_device(fake: bool):
   """Runs PER_DEVICE_SCRIPT: forward, dgrad and the quantized-weight forward under shard_map must be bitwise the
   single-device rows, in FP8 and BF16 mode; wgrad sums per-device partial dW (psum), equal up to FP32 summation
   order (BF16 mode: then rounded to BF16, so up to one BF16 rounding, 2^-8 relative to the largest entry)."""
-  script = PER_DEVICE_SCRIPT.format(repo=REPO, fake=fake)
-  res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
-  assert res.returncode == 0, res.stderr[-3000:]
-  out = json.loads(res.stdout.split("RESULT")[-1])
+  out = child_process.run(PER_DEVICE_SCRIPT.format(fake=fake), devices=4 if fake else None, timeout=600)
   assert out["y"] and out["dx"] and out["yq"] and out["y_bf16"] and out["dx_bf16"], out
   assert out["shard_maps"] >= 6 and out["psum"] >= 2, out  # forward, dgrad, wgrad each per device, in both modes
   assert out["dw_rel"] <= 1e-5 and out["dw_bf16_rel"] <= 2.0**-8, out
@@ -399,12 +387,8 @@ def test_pallas_path_runs_per_device_on_a_mesh():
 
 
 TP_SCRIPT = r"""
-import os, sys, json, functools
+import functools
 FAKE = {fake}  # 4 fake CPU devices (fsdp 2 x tensor 2) with interpret-mode stand-ins, else local GPUs, tensor 2
-if FAKE:
-  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
-import fp8jax; fp8jax.configure_xla()
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fp8jax import ops, quant
@@ -439,7 +423,7 @@ for style, (n, k), axes in (("column", (512, 256), schema.COLUMN), ("row", (256,
         y_rel=rel(many[0], one[0]), dx_rel=rel(many[1], one[1]), dw_rel=rel(many[2], one[2]),
         decode_rows_bitwise=bool((many[3] == many[0][:3]).all()), all_gathers=jaxpr.count("all_gather"),
         shard_maps=jaxpr.count("shard_map"))
-print("RESULT" + json.dumps(out))
+report(out)
 """
 
 
@@ -452,10 +436,7 @@ def _check_tensor_parallel(fake: bool):
   entry) of one device; wgrad (partials over tokens) within FP32 summation order (FP8 mode) or one BF16 rounding.
   In every case a decode-sized batch (3 rows) gives bitwise the rows of the 256-row batch: the sampler's rows are
   the trainer's also under tensor parallelism."""
-  res = subprocess.run([sys.executable, "-c", TP_SCRIPT.format(repo=REPO, fake=fake)], capture_output=True,
-                       text=True, timeout=600)
-  assert res.returncode == 0, res.stderr[-3000:]
-  out = json.loads(res.stdout.split("RESULT")[-1])
+  out = child_process.run(TP_SCRIPT.format(fake=fake), devices=4 if fake else None, timeout=600)
   for mode in ("fp8", "bf16"):
     col, row = out["column_" + mode], out["row_" + mode]
     assert col["y_bitwise"] and row["dx_bitwise"], out

@@ -2,10 +2,6 @@
 parallelism each device generates its own share of the requests with its own slots and KV pages. Run in a subprocess
 with 8 fake CPU devices (XLA_FLAGS must be set before JAX starts)."""
 
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -13,14 +9,10 @@ import pytest
 
 from fp8jax import backends, sharding
 from fp8jax.diagnostics import one_engine
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import child_process  # tests/child_process.py
 
 SCRIPT = r"""
-import os, sys, json, dataclasses
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-sys.path.insert(0, {repo!r})
-import fp8jax; fp8jax.configure_xla()
+import dataclasses
 import jax, numpy as np
 from fp8jax import sampler as S, ops, sharding, quant
 from fp8jax import recipes
@@ -71,7 +63,7 @@ try:
   res["bad_slots"] = "no error"
 except ValueError as e:
   res["bad_slots"] = str(e)
-print("RESULT" + json.dumps(res))
+report(res)
 """
 
 
@@ -81,10 +73,7 @@ def test_data_parallel_rollouts_equal_one_device(tmp_path):
   bitwise the one-device sampler's (and the FP8 KV scales' calibration), each device holding only its share's pages. The switch (data_parallel=False) and
   the tensor-parallel mesh take the one-program path: the same tokens, log-probs within 1e-5 (not bitwise there on
   CPU). Slots that the devices do not divide are refused, naming the key."""
-  res = subprocess.run([sys.executable, "-c", SCRIPT.format(repo=REPO, tmp=str(tmp_path))], capture_output=True,
-                       text=True, timeout=900)
-  assert res.returncode == 0, res.stderr[-3000:]
-  out = json.loads(res.stdout.split("RESULT")[-1])
+  out = child_process.run(SCRIPT.format(tmp=str(tmp_path)), devices=8)
   assert {k: out[k]["sampled"]["rollout_devices"] for k in out if k != "bad_slots"} == {
       "one": 1, "fsdp8": 8, "data2_fsdp2": 4, "fsdp8_spmd": 1, "fsdp2_tensor2": 1}
   # every device holds its share's pages only: 1 prompt + 1 slot of own pages on 8 devices, 2 + 2 on 4

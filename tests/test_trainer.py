@@ -21,6 +21,7 @@ from configs import tiny_fp8
 from fp8jax import backends
 from fp8jax.rl import source
 from fp8jax.rl import trainer as trainer_lib
+import child_process  # tests/child_process.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -333,15 +334,11 @@ def test_learning_signal_resets_the_count(tmp_path, parity_reward):
 
 
 SHARDED_SCRIPT = r"""
-import os, sys, json
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-sys.path.insert(0, {repo!r}); sys.path.insert(0, os.path.join({repo!r}, "tests"))
-import fp8jax; fp8jax.configure_xla()
 import jax, numpy as np
 from test_trainer import small_config, _parity_score
 from fp8jax.rl import source, trainer as T
 source.ArithmeticSource.score = _parity_score  # rewards with variance: a real gradient to compare
-out = {{}}
+out, warm = {{}}, None
 meshes = (("one", dict(data=1, fsdp=1, tensor=1)), ("eight", dict(data=2, fsdp=2, tensor=2)))
 for name, mesh in meshes:
   c = small_config()
@@ -349,28 +346,29 @@ for name, mesh in meshes:
   c.model.remat = name == "eight"  # the recipes' remat (fp8jax.model.remat) on a sharded train step
   n = mesh["data"] * mesh["fsdp"] * mesh["tensor"]
   tr = T.RLTrainer(c, os.path.join({tmp!r}, name), devices=jax.devices()[:n])
-  tr.warmstart()
+  if warm is None:
+    tr.warmstart()
+    warm = jax.device_get(tr.state.params)
+  else:  # the one-device warm start's weights, placed on this mesh (the RL step is what is compared)
+    tr.state = tr.learner.init_state(warm)
   before = np.asarray(tr.state.params["layers"][0]["wq"])
   m = tr.step(0)
   out[name] = {{k: float(m[k]) for k in ("loss", "grad_norm", "reward_mean", "token_mult_prob_error")}}
   out[name + "_spec"] = list(tr.state.params["layers"][0]["wq"].sharding.spec)
   out[name + "_devices"] = len(tr.state.params["layers"][0]["wq"].sharding.device_set)
   np.save(os.path.join({tmp!r}, name + "_dwq.npy"), np.asarray(tr.state.params["layers"][0]["wq"]) - before)
-print("RESULT" + json.dumps(out))
+report(out)
 """
 
 
 def test_sharded_equals_unsharded_on_8_fake_devices(tmp_path):
-  """One warm start + GRPO step (rewards with variance) on 1 and 8 (data 2 x fsdp 2 x tensor 2: every axis the
-  recipes shard over) fake CPU devices: the same rollouts (reward_mean equal: sampling is the same computation), loss
-  and gradient norm within FP32 summation order (sharded reductions sum in another order: not bitwise on XLA:CPU),
-  the RL step's update of wq pointing the same way as on one device (cosine >= 0.9: Adam's first step is about
-  -lr * sign(g), so only the signs of near-zero gradient entries may differ; a wrong sharded gradient gives ~0),
-  and sampler == trainer on both. The 8-device run rematerializes its layers (the recipes' setting)."""
-  script = SHARDED_SCRIPT.format(repo=REPO, tmp=str(tmp_path))
-  res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
-  assert res.returncode == 0, res.stderr[-3000:]
-  out = json.loads(res.stdout.split("RESULT")[-1])
+  """A GRPO step (rewards with variance) from one warm start on 1 and 8 (data 2 x fsdp 2 x tensor 2: every axis the
+  recipes shard over) fake CPU devices (the warm-started weights placed on each mesh): the same rollouts
+  (reward_mean equal: sampling is the same computation), loss and gradient norm within FP32 summation order
+  (sharded reductions sum in another order: not bitwise on XLA:CPU), the RL step's update of wq pointing the same
+  way as on one device (cosine >= 0.9: Adam's first step is about -lr * sign(g), so only the signs of near-zero
+  gradient entries may differ; a wrong sharded gradient gives ~0), and sampler == trainer on both. The 8-device run rematerializes its layers (the recipes' setting)."""
+  out = child_process.run(SHARDED_SCRIPT.format(tmp=str(tmp_path)), devices=8)
   assert out["eight_spec"] == ["tensor", "fsdp"]
   assert (out["one_devices"], out["eight_devices"]) == (1, 8)
   assert out["one"]["grad_norm"] > 0, out  # a real update to compare
