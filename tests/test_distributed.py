@@ -69,7 +69,8 @@ TRAIN_WITH_PARITY_REWARD = (
 
 def _train(workdir, env_extra, devices_per_process):
   return subprocess.Popen([sys.executable, "-c", TRAIN_WITH_PARITY_REWARD, *TINY, f"--workdir={workdir}"],
-                          cwd=REPO, env=child_process.env(devices_per_process, **env_extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          cwd=REPO, env=child_process.env(devices_per_process, **env_extra), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
 
 
 def _rows(workdir):

@@ -2,7 +2,6 @@
 parallelism each device generates its own share of the requests with its own slots and KV pages. Run in a subprocess
 with 8 fake CPU devices (XLA_FLAGS must be set before JAX starts)."""
 
-
 import jax
 import numpy as np
 import pytest
