@@ -475,12 +475,18 @@ def test_llama8b_recipe_says_what_to_download(tmp_path):
 def test_moe_rl_step_with_and_without_the_load_balancing_loss(tmp_path, parity_reward):
   """configs/tiny_moe_fp8.py through the real loop: one engine holds with MoE layers (sampler == trainer), the
   routing statistics are logged, and grpo.router_aux_coef adds coef x the load-balancing loss to the step's loss."""
+  warm = []
+
   def run(coef, sub):
     c = small_moe_config()
     c.grpo.router_aux_coef = coef
     c.grpo.microbatch = c.grpo.num_prompts * c.grpo.num_generations  # one microbatch: loss = pg + coef * lb exactly
     tr = trainer_lib.RLTrainer(c, str(tmp_path / sub))
-    tr.warmstart()
+    if warm:  # the first run's warm-started weights: the same weights before the step
+      tr.state = tr.learner.init_state(warm[0])
+    else:
+      tr.warmstart()
+      warm.append(jax.device_get(tr.state.params))
     return tr.step(0)
 
   off, on = run(0.0, "off"), run(0.5, "on")
