@@ -61,21 +61,17 @@ report(res)
 
 STEP_SCRIPT = r"""
 import jax, numpy as np
-from test_trainer import small_moe_config, _parity_score
+from test_trainer import small_moe_config, _parity_score, warm_start_once
 from fp8jax.rl import source, trainer as T
 source.ArithmeticSource.score = _parity_score  # rewards with variance: a real gradient to compare
-out, warm = {{}}, None
+out, warm = {{}}, []
 for name, mesh in (("one", dict(data=1, fsdp=1, expert=1, tensor=1)), ("ep", dict(data=1, fsdp=1, expert=4, tensor=1))):
   c = small_moe_config()
   c.optim.eps = 1.0  # Adam's first step then ~ -lr * g (not -lr * sign(g)): the update compares the gradients
   c.mesh.update(mesh)
   n = int(np.prod(list(mesh.values())))
   tr = T.RLTrainer(c, os.path.join({tmp!r}, name), devices=jax.devices()[:n])
-  if warm is None:
-    tr.warmstart()
-    warm = jax.device_get(tr.state.params)
-  else:  # the one-device warm start's weights, placed on this mesh (the RL step is what is compared)
-    tr.state = tr.learner.init_state(warm)
+  warm_start_once(tr, warm)  # the one-device warm start's weights on the expert-parallel mesh
   before = np.asarray(tr.state.params["layers"][0]["expert_up"])
   m = tr.step(0)
   out[name] = {{k: float(m[k]) for k in ("loss", "grad_norm", "reward_mean", "token_mult_prob_error",

@@ -58,6 +58,17 @@ def small_moe_config():
   return c
 
 
+def warm_start_once(tr, shared: list) -> None:
+  """The first trainer given ``shared`` warm-starts; each later one starts from those weights (``load_pretrained``,
+  placed on its own mesh). For tests that compare one RL step of several trainers: one warm start, the same
+  weights before the step."""
+  if shared:
+    tr.load_pretrained(shared[0])
+  else:
+    tr.warmstart()
+    shared.append(jax.device_get(tr.state.params))
+
+
 def _parity_score(self, ro, answers):
   """A reward with variance in every group of an untrained model: 1 where the first completion token id is even.
 
@@ -335,10 +346,10 @@ def test_learning_signal_resets_the_count(tmp_path, parity_reward):
 
 SHARDED_SCRIPT = r"""
 import jax, numpy as np
-from test_trainer import small_config, _parity_score
+from test_trainer import small_config, _parity_score, warm_start_once
 from fp8jax.rl import source, trainer as T
 source.ArithmeticSource.score = _parity_score  # rewards with variance: a real gradient to compare
-out, warm = {{}}, None
+out, warm = {{}}, []
 meshes = (("one", dict(data=1, fsdp=1, tensor=1)), ("eight", dict(data=2, fsdp=2, tensor=2)))
 for name, mesh in meshes:
   c = small_config()
@@ -346,11 +357,7 @@ for name, mesh in meshes:
   c.model.remat = name == "eight"  # the recipes' remat (fp8jax.model.remat) on a sharded train step
   n = mesh["data"] * mesh["fsdp"] * mesh["tensor"]
   tr = T.RLTrainer(c, os.path.join({tmp!r}, name), devices=jax.devices()[:n])
-  if warm is None:
-    tr.warmstart()
-    warm = jax.device_get(tr.state.params)
-  else:  # the one-device warm start's weights, placed on this mesh (the RL step is what is compared)
-    tr.state = tr.learner.init_state(warm)
+  warm_start_once(tr, warm)  # the one-device warm start's weights on the 8-device mesh
   before = np.asarray(tr.state.params["layers"][0]["wq"])
   m = tr.step(0)
   out[name] = {{k: float(m[k]) for k in ("loss", "grad_norm", "reward_mean", "token_mult_prob_error")}}
@@ -367,7 +374,8 @@ def test_sharded_equals_unsharded_on_8_fake_devices(tmp_path):
   (reward_mean equal: sampling is the same computation), loss and gradient norm within FP32 summation order
   (sharded reductions sum in another order: not bitwise on XLA:CPU), the RL step's update of wq pointing the same
   way as on one device (cosine >= 0.9: Adam's first step is about -lr * sign(g), so only the signs of near-zero
-  gradient entries may differ; a wrong sharded gradient gives ~0), and sampler == trainer on both. The 8-device run rematerializes its layers (the recipes' setting)."""
+  gradient entries may differ; a wrong sharded gradient gives ~0), and sampler == trainer on both. The 8-device
+  run rematerializes its layers (the recipes' setting)."""
   out = child_process.run(SHARDED_SCRIPT.format(tmp=str(tmp_path)), devices=8)
   assert out["eight_spec"] == ["tensor", "fsdp"]
   assert (out["one_devices"], out["eight_devices"]) == (1, 8)
@@ -482,11 +490,7 @@ def test_moe_rl_step_with_and_without_the_load_balancing_loss(tmp_path, parity_r
     c.grpo.router_aux_coef = coef
     c.grpo.microbatch = c.grpo.num_prompts * c.grpo.num_generations  # one microbatch: loss = pg + coef * lb exactly
     tr = trainer_lib.RLTrainer(c, str(tmp_path / sub))
-    if warm:  # the first run's warm-started weights: the same weights before the step
-      tr.state = tr.learner.init_state(warm[0])
-    else:
-      tr.warmstart()
-      warm.append(jax.device_get(tr.state.params))
+    warm_start_once(tr, warm)
     return tr.step(0)
 
   off, on = run(0.0, "off"), run(0.5, "on")
