@@ -3,6 +3,7 @@ group), the one loader of a configs/*.py file outside absl's flags, and the one 
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import importlib.util
@@ -27,6 +28,21 @@ def override(config, overrides: dict, who: str):
       raise KeyError(f"{who}: the config has no key {key!r}")
     c[group][field] = value
   return c
+
+
+def parse_sets(items: list[str]) -> dict:
+  """``["group.key=VALUE", ...]`` (scripts' ``--set`` flags) as ``{"group.key": value}``: values parsed as Python
+  literals, else kept as strings; an item without "=" raises a ValueError naming it."""
+  overrides = {}
+  for item in items:
+    key, sep, raw = item.partition("=")
+    if not sep:
+      raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+    try:
+      overrides[key] = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+      overrides[key] = raw
+  return overrides
 
 
 def smoke_shape(c, layers: int, slots: int = 128):

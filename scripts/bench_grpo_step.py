@@ -19,7 +19,6 @@ not have is refused: ``config_utils.override``).
 """
 
 import argparse
-import ast
 import gc
 import json
 import os
@@ -35,7 +34,7 @@ fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fp8jax.config_utils import load_config_file, override, smoke_shape  # noqa: E402
+from fp8jax.config_utils import load_config_file, override, parse_sets, smoke_shape  # noqa: E402
 from fp8jax.rl.trainer import RLTrainer  # noqa: E402
 
 KEYS = ("step_s", "rollout_s", "train_s", "requant_s", "gen_tokens_per_s", "token_mult_prob_error")
@@ -48,22 +47,8 @@ def peak_gib() -> float | None:
   return max(peaks) / 2**30 if peaks else None
 
 
-def apply_sets(c, sets: list[str]):
-  """``group.key=VALUE`` overrides of config ``c`` (values parsed as Python literals, else kept as strings)."""
-  overrides = {}
-  for item in sets:
-    key, sep, raw = item.partition("=")
-    if not sep:
-      raise ValueError(f"--set {item!r}: expected KEY=VALUE")
-    try:
-      overrides[key] = ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-      overrides[key] = raw
-  return override(c, overrides, "--set")
-
-
 def run_config(path: str, a) -> dict:
-  c = apply_sets(smoke_shape(load_config_file(path), a.layers, a.slots), a.set)
+  c = override(smoke_shape(load_config_file(path), a.layers, a.slots), parse_sets(a.set), "--set")
   t0 = time.perf_counter()
   tr = RLTrainer(c, tempfile.mkdtemp())
   # the build (weights, the memory plan's compiles on a GPU) apart from the steps, printed at once: a run stopped by a

@@ -32,18 +32,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from fp8jax import ops  # noqa: E402
-from fp8jax.config_utils import load_config_file, override  # noqa: E402
+from fp8jax.config_utils import load_config_file, override, parse_sets  # noqa: E402
 from fp8jax.model import llama  # noqa: E402
 from fp8jax.rl import trainer as trainer_lib  # noqa: E402
-
-
-def _value(text: str):
-  for cast in (int, float):
-    try:
-      return cast(text)
-    except ValueError:
-      pass
-  return {"True": True, "False": False}.get(text, text)
 
 
 def check_linear(cfg, backend: str, rows: int) -> list[dict]:
@@ -106,12 +97,10 @@ def main(argv=None):
   ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
   ap.add_argument("--out", default="")
   a = ap.parse_args(argv)
-  sets = {}
-  for kv in a.set:
-    key, sep, value = kv.partition("=")
-    if not sep:
-      ap.error(f"--set {kv!r}: expected KEY=VALUE")
-    sets[key] = _value(value)
+  try:
+    sets = parse_sets(a.set)
+  except ValueError as e:
+    ap.error(str(e))
   result = {"device": jax.devices()[0].device_kind, "linear": [], "model": []}
   if a.linear:
     cfg = trainer_lib.learner_from_config(

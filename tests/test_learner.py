@@ -11,7 +11,7 @@ import pytest
 
 from configs import tiny_fp8
 from fp8jax import kvcache, ops, recipes, sharding
-from fp8jax.config_utils import dataclass_from_group
+from fp8jax.config_utils import dataclass_from_group, parse_sets
 from fp8jax.model import llama
 from fp8jax.model.config import ModelConfig
 from fp8jax.rl import learner as learner_lib
@@ -114,3 +114,15 @@ def test_batch_logprobs_runs_microbatches_and_gives_the_whole_batch_bits(batch_a
     calls.clear()
     np.testing.assert_array_equal(np.asarray(lr.batch_logprobs(params, tokens[:n], scales)), whole[:n])
     assert calls == expect
+
+
+def test_set_flags_parse_as_python_literals_else_strings():
+  """Scripts' --set KEY=VALUE flags (config_utils.parse_sets): literals become their values, anything else stays the
+  string; an item without "=" is refused naming it."""
+  got = parse_sets(["grpo.microbatch=1", "optim.lr=3e-5", "model.remat=False", "rollout.prompt_buckets=(512,)",
+                    "fp8.gemm_backend=xla", "fp8.keep_patterns=layers/*/wv"])
+  assert got == {"grpo.microbatch": 1, "optim.lr": 3e-5, "model.remat": False, "rollout.prompt_buckets": (512,),
+                 "fp8.gemm_backend": "xla", "fp8.keep_patterns": "layers/*/wv"}
+  assert type(got["grpo.microbatch"]) is int and type(got["model.remat"]) is bool
+  with pytest.raises(ValueError, match=r"--set 'grpo.microbatch': expected KEY=VALUE"):
+    parse_sets(["grpo.microbatch"])
