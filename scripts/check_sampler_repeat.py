@@ -1,10 +1,11 @@
 """Are reruns of the same sampling program bitwise repeatable across processes, one after another and at once?
 
-  PYTHONPATH=. python3 scripts/check_sampler_repeat.py [--recipe=fp8+kv] [--layers=30] [--new_tokens=96]
+  PYTHONPATH=. python3 scripts/check_sampler_repeat.py [--config=configs/smollm2_asdiv_fp8.py] [--recipe=fp8+kv]
+      [--layers=0] [--new_tokens=96]
 
-The same FP8 (+ FP8 KV) or BF16 sampling program (SmolLM2-135M's shapes: width 576, 9 heads x 64, 3 KV heads, FFN
-1536, vocab 49152; random weights, std 0.05; 64 random prompts of 100 tokens, 2 samples each at temperature 0.7,
-seed 1) runs in four child processes of this script: two one after the other, then two at the same time on the same
+The same FP8 (+ FP8 KV) or BF16 sampling program (the model shape of --config, SmolLM2-135M's by default, --layers
+deep, 0 = the config's; random weights, std 0.05; 64 random prompts of 100 tokens, 2 samples each at temperature
+0.7, seed 1) runs in four child processes of this script: two one after the other, then two at the same time on the same
 device. Printed: for each pair compared, the fraction of equal tokens and of bitwise-equal log-probs. A GPU run that
 is not repeatable here makes two training runs of one command diverge.
 """
@@ -12,6 +13,7 @@ is not repeatable here makes two training runs of one command diverge.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -22,20 +24,22 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def sample(out: str, recipe_name: str, layers: int, new_tokens: int):
+def sample(out: str, config: str, recipe_name: str, layers: int, new_tokens: int):
   """One run of the sampling program; its tokens and log-probs saved to ``out`` (.npz)."""
   sys.path.insert(0, REPO)
   import fp8jax  # noqa: PLC0415
 
   fp8jax.configure_xla()
   from fp8jax import ops, sampler  # noqa: PLC0415
+  from fp8jax.config_utils import load_config_file  # noqa: PLC0415
   from fp8jax.diagnostics import one_engine  # noqa: PLC0415
   from fp8jax.model.config import ModelConfig  # noqa: PLC0415
   from fp8jax.model.llama import init_params  # noqa: PLC0415
 
   recipe = one_engine.promised_recipes()[recipe_name]
-  cfg = ModelConfig(vocab_size=49152, dim=576, n_layers=layers, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,
-                    norm_eps=1e-5, rope_theta=1e5, tie_embeddings=True, max_seq_len=256)
+  cfg = ModelConfig.from_config(load_config_file(config).model)
+  if layers:
+    cfg = dataclasses.replace(cfg, n_layers=layers)
   prompts = [list(map(int, r)) for r in np.random.default_rng(0).integers(3, 49000, (64, 100))]
   s = sampler.Sampler(cfg, sampler.SamplerConfig(slots=64, max_len=128 + new_tokens, prompt_buckets=(128,),
                                                  kv_cache=recipe.kv_cache), ops.LinearConfig.from_recipe(recipe))
@@ -54,17 +58,18 @@ def compare(a: str, b: str) -> str:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--config", default="configs/smollm2_asdiv_fp8.py", help="the model shape (random weights)")
   ap.add_argument("--recipe", default="fp8+kv", help="a key of fp8jax.diagnostics.one_engine.promised_recipes()")
-  ap.add_argument("--layers", type=int, default=30)
+  ap.add_argument("--layers", type=int, default=0, help="model depth; 0 = the config's")
   ap.add_argument("--new_tokens", type=int, default=96)
   ap.add_argument("--child", default="", help=argparse.SUPPRESS)
   a = ap.parse_args(argv)
   if a.child:
-    return sample(a.child, a.recipe, a.layers, a.new_tokens)
+    return sample(a.child, a.config, a.recipe, a.layers, a.new_tokens)
   with tempfile.TemporaryDirectory() as d:
     runs = [os.path.join(d, f"run{i}.npz") for i in range(4)]
-    cmd = [sys.executable, os.path.abspath(__file__), f"--recipe={a.recipe}", f"--layers={a.layers}",
-           f"--new_tokens={a.new_tokens}"]
+    cmd = [sys.executable, os.path.abspath(__file__), f"--config={a.config}", f"--recipe={a.recipe}",
+           f"--layers={a.layers}", f"--new_tokens={a.new_tokens}"]
 
     def start(out):
       return subprocess.Popen(cmd + [f"--child={out}"], cwd=REPO)
