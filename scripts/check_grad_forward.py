@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 from fp8jax import ops  # noqa: E402
 from fp8jax.config_utils import load_config_file, override, parse_sets  # noqa: E402
 from fp8jax.model import llama  # noqa: E402
+from fp8jax.model.config import ModelConfig  # noqa: E402
 from fp8jax.rl import trainer as trainer_lib  # noqa: E402
 
 
@@ -103,9 +104,7 @@ def main(argv=None):
     ap.error(str(e))
   result = {"device": jax.devices()[0].device_kind, "linear": [], "model": []}
   if a.linear:
-    cfg = trainer_lib.learner_from_config(
-        override(load_config_file(a.config), {"checkpoint.hf_dir": "", **sets}, "check_grad_forward"),
-        jax.devices()[:1]).cfg
+    cfg = ModelConfig.from_config(override(load_config_file(a.config), sets, "check_grad_forward").model)
     backend = sets.get("fp8.gemm_backend", "auto")
     result["linear"] = check_linear(cfg, backend, a.rows * a.seq)
     for r in result["linear"]:
