@@ -19,8 +19,15 @@ lowers to Triton as it is.
 one launch; the norm rows are ``rms_norm``'s of the sum, the same tile and body), which the model's decoder layers
 use (``fp8jax.model.layers.add_rms_norm``).
 
-Shapes: D a power of two from 64 to 16384 (``unsupported`` says why not otherwise; the caller then runs the
-reference and logs it); any number of rows (padded with zero rows to the tile height).
+Shapes: any D up to 16384 (``unsupported`` says why not otherwise; the caller then runs the reference and logs it);
+any number of rows (padded with zero rows to the tile height). A width that is not a power of two (SmolLM2's 576,
+Qwen2.5's 896 or 3584) runs on a tile of the next power of two (at least 64): zero columns pad it, which add nothing
+to max |x| or to the sum of squares, and the mean divides by the true width. Such widths must not fall back to XLA's
+reduction: its summation order follows the layout XLA picks for the whole program, and under ``jax.value_and_grad``
+XLA stores the residual stream transposed (for the weight gradients' GEMMs) and sums the 576 columns as a column
+reduction, so the train step's forward pass left the log-prob pass's bits (``scripts/check_grad_forward.py``: 84% of
+a 1-layer BF16 SmolLM2's log-probs bitwise before this, 100% at every depth after). The kernel is one opaque call in
+both programs.
 """
 
 from __future__ import annotations
@@ -43,9 +50,10 @@ TILE_ELEMS = 8192  # FP32 elements of x per program: 64 registers per thread at 
 NUM_WARPS = 4
 
 
-def rms_rows(x, w, eps: float, row_sum=None):
+def rms_rows(x, w, eps: float, row_sum=None, width: int | None = None):
   """RMSNorm of each row of ``x`` (..., D) by ``w`` (D,) or (1, D), in x's dtype (module docstring). ``row_sum``:
-  how mean(x^2)'s sum is taken (default ``jnp.sum``; the CPU path passes a fixed-order one)."""
+  how mean(x^2)'s sum is taken (default ``jnp.sum``; the CPU path passes a fixed-order one). ``width``: the rows'
+  true width when the last ``D - width`` columns are zero padding (the kernel's tile), else None (D)."""
   x32 = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
   # amax = m * 2**e with m in [0.5, 1): e = exponent field - 126; scale = 2**-min(e, 126) (a normal number)
@@ -53,7 +61,10 @@ def rms_rows(x, w, eps: float, row_sum=None):
   pow2 = lax.bitcast_convert_type(lax.shift_left(jnp.maximum(253 - field, 1), jnp.int32(23)), jnp.float32)
   scale = jnp.where((amax > SAFE_AMAX) & (amax < jnp.inf), pow2, jnp.float32(1.0))  # NaN / inf rows: scale 1
   xs = x32 * scale
-  ms = jnp.mean(xs * xs, axis=-1, keepdims=True) if row_sum is None else row_sum(xs * xs)[..., None] / x.shape[-1]
+  if row_sum is None and width in (None, x.shape[-1]):
+    ms = jnp.mean(xs * xs, axis=-1, keepdims=True)
+  else:
+    ms = (jnp.sum(xs * xs, axis=-1) if row_sum is None else row_sum(xs * xs))[..., None] / (width or x.shape[-1])
   y = xs * lax.rsqrt(ms + eps * (scale * scale))
   return w.astype(x.dtype) * y.astype(x.dtype)
 
@@ -72,15 +83,23 @@ def rms_norm_invariant(x, w, eps: float):
   return rms_rows(x, w, eps, row_sum=invariant_sum)
 
 
+MAX_WIDTH = 16384
+
+
+def tile_width(d: int) -> int:
+  """The kernel tile's width for rows of width ``d``: the next power of two, at least 64 (zero columns pad the rest)."""
+  return max(64, 1 << (d - 1).bit_length())
+
+
 def rows_per_tile(d: int) -> int:
-  return max(1, min(64, TILE_ELEMS // d))
+  return max(1, min(64, TILE_ELEMS // tile_width(d)))
 
 
 def unsupported(x) -> str | None:
   """Why the kernel cannot normalize ``x``'s rows, or None."""
   d = x.shape[-1]
-  if d < 64 or d > 16384 or d & (d - 1):
-    return f"RMSNorm width {d} (shape {tuple(x.shape)}) is not a power of two in [64, 16384]"
+  if d < 1 or d > MAX_WIDTH:
+    return f"RMSNorm width {d} (shape {tuple(x.shape)}) is outside the kernel's [1, {MAX_WIDTH}]"
   return None
 
 
@@ -98,37 +117,38 @@ def add_rms_norm_reference(x, h, w, eps: float):
   return s, rms_rows(s, w, eps)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, eps: float):
-  o_ref[...] = rms_rows(x_ref[...], w_ref[...], eps)
+def _kernel(x_ref, w_ref, o_ref, *, eps: float, width: int):
+  o_ref[...] = rms_rows(x_ref[...], w_ref[...], eps, width=width)
 
 
-def _add_kernel(x_ref, h_ref, w_ref, s_ref, o_ref, *, eps: float):
+def _add_kernel(x_ref, h_ref, w_ref, s_ref, o_ref, *, eps: float, width: int):
   s = residual_add(x_ref[...], h_ref[...])
   s_ref[...] = s
-  o_ref[...] = rms_rows(s, w_ref[...], eps)  # the same tile and body as _kernel on the stored sum: the same bits
+  o_ref[...] = rms_rows(s, w_ref[...], eps, width=width)  # _kernel's tile and body on the stored sum: the same bits
 
 
 def _launch(kernel, rows: list, w, eps: float, n_out: int, interpret: bool, name: str):
-  """One program per ``rows_per_tile(D)`` rows of the (..., D) arrays ``rows`` (zero rows pad the last tile)."""
+  """One program per ``rows_per_tile(D)`` rows of the (..., D) arrays ``rows`` (zero rows pad the last tile, zero
+  columns the tile's width, ``tile_width(D)``)."""
   x = rows[0]
   why = unsupported(x)
   if why is not None:
     raise ValueError(f"rms_norm kernel: {why}")
   *lead, d = x.shape
-  m, r = math.prod(lead), rows_per_tile(d)
+  m, r, dp = math.prod(lead), rows_per_tile(d), tile_width(d)
   mp = -(-max(m, 1) // r) * r
-  args = [jnp.pad(a.reshape(-1, d), ((0, mp - m), (0, 0))) for a in rows]
-  spec = pl.BlockSpec((r, d), lambda i: (i, 0))
+  args = [jnp.pad(a.reshape(-1, d), ((0, mp - m), (0, dp - d))) for a in rows]
+  spec = pl.BlockSpec((r, dp), lambda i: (i, 0))
   outs = pl.pallas_call(
-      functools.partial(kernel, eps=eps),
-      out_shape=[jax.ShapeDtypeStruct((mp, d), x.dtype)] * n_out,
+      functools.partial(kernel, eps=eps, width=d),
+      out_shape=[jax.ShapeDtypeStruct((mp, dp), x.dtype)] * n_out,
       grid=(mp // r,),
-      in_specs=[spec] * len(rows) + [pl.BlockSpec((1, d), lambda i: (0, 0))],
+      in_specs=[spec] * len(rows) + [pl.BlockSpec((1, dp), lambda i: (0, 0))],
       out_specs=[spec] * n_out,
       compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
       interpret=interpret, name=name,
-  )(*args, w.reshape(1, d))
-  return [o[:m].reshape(x.shape) for o in outs]
+  )(*args, jnp.pad(w.reshape(1, d), ((0, 0), (0, dp - d))))
+  return [o[:m, :d].reshape(x.shape) for o in outs]
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))

@@ -67,9 +67,10 @@ def test_reference_is_the_hf_formula_bitwise(dtype):
 
 
 @pytest.mark.parametrize("m", [1, 7, 130])
-@pytest.mark.parametrize("d", [64, 128, 1024])
+@pytest.mark.parametrize("d", [64, 128, 1024, 48, 576])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_interpret_matches_reference(m, d, dtype):
+  """Power-of-two widths and padded ones (48 on a 64-wide tile, SmolLM2's 576 on a 1024-wide one)."""
   x, w = _rows(m + d, m, d, dtype)
   got = kern.rms_norm(x, w, EPS, interpret=True)
   assert got.shape == x.shape and got.dtype == x.dtype
@@ -83,7 +84,17 @@ def test_leading_axes_are_rows():
                                 np.asarray(kern.rms_norm(x, w, EPS, interpret=True), np.float32).reshape(x4.shape))
 
 
-@pytest.mark.parametrize("d", [48, 96, 200, 32768])
+def test_padded_width_divides_by_the_true_width():
+  """A 576-wide row on the 1024-wide tile is the reference's row, not that of the row with 448 zeros appended (whose
+  mean(x^2) is 576/1024 of it): constant rows normalize to exactly w."""
+  x = jnp.full((3, 576), 3.0, jnp.float32)
+  w = jnp.linspace(0.5, 1.5, 576, dtype=jnp.float32)
+  got = np.asarray(kern.rms_norm(x, w, 0.0, interpret=True))
+  np.testing.assert_allclose(got, np.broadcast_to(np.asarray(w), got.shape), rtol=2e-7)
+  assert kern.tile_width(576) == 1024 and kern.tile_width(48) == 64 and kern.tile_width(4096) == 4096
+
+
+@pytest.mark.parametrize("d", [20000, 32768])
 def test_unsupported_width_is_named(d):
   x = jnp.ones((2, d), jnp.bfloat16)
   assert str(d) in kern.unsupported(x)
@@ -124,7 +135,7 @@ def test_kernel_path_gradient_is_the_reference_gradient(monkeypatch):
 
 
 @pytest.mark.parametrize("m", [1, 7, 130])
-@pytest.mark.parametrize("d", [64, 1024])
+@pytest.mark.parametrize("d", [64, 1024, 576])
 def test_add_interpret_is_the_sum_and_the_norm_of_the_sum_bitwise(m, d):
   """The fused residual add (interpret mode): s is x + h bit for bit, and its norm rows are the norm kernel's rows
   of s bit for bit (the same tile and body), for random rows incl. NaN / inf / huge / zero ones and leading axes."""
@@ -169,7 +180,7 @@ def test_add_rms_norm_dispatch_and_kernel_gradient(monkeypatch):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("d", [128, 4096])
+@pytest.mark.parametrize("d", [128, 4096, 576])
 def test_lowers_for_cuda(d):
   row, wt = jax.ShapeDtypeStruct((300, d), jnp.bfloat16), jax.ShapeDtypeStruct((d,), jnp.float32)
   assert "triton" in lower_for_h200(functools.partial(kern.rms_norm, eps=EPS), row, wt)
@@ -178,7 +189,7 @@ def test_lowers_for_cuda(d):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not backends.gpu_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("d", [128, 1024, 4096])
+@pytest.mark.parametrize("d", [128, 1024, 4096, 576, 896])
 def test_gpu_matches_reference_and_rows_are_batch_invariant(d):
   x, w = _rows(d, 4096, d)
   full = kern.rms_norm(x, w, EPS)
@@ -191,7 +202,7 @@ def test_gpu_matches_reference_and_rows_are_batch_invariant(d):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not backends.gpu_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("d", [128, 4096])
+@pytest.mark.parametrize("d", [128, 4096, 576])
 def test_gpu_add_is_the_sum_and_the_norm_of_the_sum_bitwise(d):
   """Compiled: the fused kernel's sum is x + h and its norm rows the norm kernel's rows of that sum, bit for bit, at
   decode and training row counts."""
