@@ -297,7 +297,7 @@ def train_step(state: TrainState, batch: dict, *, loss: Loss, policy: Policy, tx
   micro = jax.tree.map(lambda x: x.reshape(n_micro, mb, *x.shape[1:]), batch)
   # LoRA: the gradient is of the adapters alone (``state.params``); the frozen base is a constant of the loss, so no
   # weight gradient of it is ever formed (its FP8 linears run ops' frozen-weight VJP: dgrad only).
-  grad_fn = jax.value_and_grad(lambda p, *a: loss.fn(policy, policy.weights(p, state.base), *a), has_aux=True)
+  grad_fn = jax.value_and_grad(lambda p, base, *a: loss.fn(policy, policy.weights(p, base), *a), has_aux=True)
   # With optim.offload the master and the moments come from host memory: the master to the device for the whole
   # step, the moments for the update only (fp8jax.optim; where they already are, this compiles to nothing).
   state = dataclasses.replace(state, params=optim.to_device(state.params))
@@ -308,11 +308,16 @@ def train_step(state: TrainState, batch: dict, *, loss: Loss, policy: Policy, tx
     # loop). Values are unchanged (the barrier is the identity). On an H100, with model.remat's recomputation also
     # held behind its cotangent (fp8jax.model.remat), the 8B LoRA train step over 32 microbatches of one
     # 4096-token sequence compiled to 0.84 GiB of temporaries per layer instead of 1.10; at one microbatch the
-    # per-layer growth is 0 either way (docs/performance.md, memory).
-    mbatch, acc = jax.lax.optimization_barrier((mbatch, acc))
+    # per-layer growth is 0 either way (docs/performance.md, memory). A LoRA run's frozen base goes through the same
+    # barrier: it is invariant over this loop, and XLA moves loop-invariant work out of loops, so it had made every
+    # layer's copies of the base (dequantized; transposed for the dgrad) once before the loop and held all of them
+    # through the step (XLA:CPU: two FP32 copies of the whole base). Behind the barrier they are made per layer in
+    # the loop. (A full fine-tune's quantized weights are still made once per step, as XLA hoists them: FP8 codes
+    # of every layer held for the step instead of a quantization per microbatch.)
+    mbatch, acc, base = jax.lax.optimization_barrier((mbatch, acc, state.base))
     if kv_scales is not None:
       mbatch = dict(mbatch, kv_scales=kv_scales)
-    (loss, (m, aux)), g = grad_fn(state.params, mbatch, gc, n_tok, n_seq)
+    (loss, (m, aux)), g = grad_fn(state.params, base, mbatch, gc, n_tok, n_seq)
     gsum, lsum = acc
     return (jax.tree.map(jnp.add, gsum, g), lsum + loss), (m, aux.k_amax_L, aux.v_amax_L)
 
