@@ -12,6 +12,14 @@ from fp8jax import backends, sharding
 from fp8jax.model.config import ModelConfig
 from pallas_kernels import rms_norm as norm_ref
 
+def embed(table, tokens, dtype):
+  """The rows of ``table`` for ``tokens``, cast to ``dtype`` after the gather: the same values as gathering from the
+  cast table, but the gradient (a scatter-add of each position's cotangent into its token's row) then sums in the
+  table's dtype (the FP32 master) instead of BF16, where a token repeated a few thousand times in a minibatch (a
+  space, a digit) lost most of its later contributions to rounding."""
+  return table[tokens].astype(dtype)
+
+
 def rms_norm(x, w, eps, backend: str = "auto", mesh=None):
   """HF LlamaRMSNorm: normalize in FP32, cast back, then scale (``pallas_kernels.rms_norm.rms_rows``, with its
   overflow-safe prescale of huge rows).

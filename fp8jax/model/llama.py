@@ -30,7 +30,7 @@ from fp8jax.model import head, schema
 from fp8jax.model.config import ModelConfig
 from fp8jax.model import gqa, mla
 from fp8jax.model import remat as remat_lib
-from fp8jax.model.layers import add_rms_norm, rope_inv_freq
+from fp8jax.model.layers import add_rms_norm, embed, rope_inv_freq
 from pallas_kernels.rms_norm import residual_add
 from fp8jax.model.mlp import mlp
 from fp8jax.model.moe import RouterStats, moe
@@ -91,7 +91,7 @@ def forward(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.L
     positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   dtype = jnp.dtype(cfg.dtype)
   lcfg = dataclasses.replace(lcfg, out_dtype=cfg.dtype)
-  x = params["embed"].astype(dtype)[tokens_BxT]
+  x = embed(params["embed"], tokens_BxT, dtype)
   inv_freq = rope_inv_freq(cfg)
 
   # The residual add after each layer runs inside the next norm's kernel (decoder_layer's defer_add), except under
