@@ -66,7 +66,11 @@ def rms_rows(x, w, eps: float, row_sum=None, width: int | None = None):
   else:
     ms = (jnp.sum(xs * xs, axis=-1) if row_sum is None else row_sum(xs * xs))[..., None] / (width or x.shape[-1])
   y = xs * lax.rsqrt(ms + eps * (scale * scale))
-  return w.astype(x.dtype) * y.astype(x.dtype)
+  # w * y in x's dtype, computed in FP32 and rounded once: the product of two BF16 values is exact in FP32, so these
+  # are the bits of the BF16 product; but the weight's gradient (the sum over every row of cotangent * y) now adds
+  # up in FP32. With BF16 products XLA summed it in BF16 (no excess precision: fp8jax.COMPILER_OPTIONS), and over
+  # the 8,192 rows of a minibatch that lost most of it.
+  return (w.astype(x.dtype).astype(jnp.float32) * y.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
 
 
 def rms_norm_reference(x, w, eps: float):
