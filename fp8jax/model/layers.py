@@ -12,12 +12,28 @@ from fp8jax import backends, sharding
 from fp8jax.model.config import ModelConfig
 from pallas_kernels import rms_norm as norm_ref
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def embed(table, tokens, dtype):
-  """The rows of ``table`` for ``tokens``, cast to ``dtype`` after the gather: the same values as gathering from the
-  cast table, but the gradient (a scatter-add of each position's cotangent into its token's row) then sums in the
-  table's dtype (the FP32 master) instead of BF16, where a token repeated a few thousand times in a minibatch (a
-  space, a digit) lost most of its later contributions to rounding."""
-  return table[tokens].astype(dtype)
+  """The rows of ``table`` for ``tokens`` in ``dtype`` (the table cast first, as before: the same values and, on a
+  sharded table, the same communication). Its gradient is a scatter-add of each position's cotangent into its
+  token's row, done here in the table's dtype (the FP32 master): as the transpose of the BF16 gather, it summed in
+  BF16, where a token repeated a few thousand times in a minibatch (a space, a digit) lost most of its later
+  contributions to rounding."""
+  return table.astype(dtype)[tokens]
+
+
+def _embed_fwd(table, tokens, dtype):
+  # (V, 0): a zero-byte array that carries the table's row count and dtype into the backward pass
+  return embed(table, tokens, dtype), (tokens, jnp.zeros((table.shape[0], 0), table.dtype))
+
+
+def _embed_bwd(dtype, res, g):
+  tokens, tag = res
+  grad = jnp.zeros((tag.shape[0], g.shape[-1]), tag.dtype).at[tokens].add(g.astype(tag.dtype))
+  return grad, None
+
+
+embed.defvjp(_embed_fwd, _embed_bwd)
 
 
 def rms_norm(x, w, eps, backend: str = "auto", mesh=None):
