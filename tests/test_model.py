@@ -318,8 +318,8 @@ def test_tensor_parallel_forward_on_fake_devices():
 def test_embedding_gradient_sums_in_the_master_dtype():
   """A token repeated across a minibatch gets the sum of its positions' cotangents. Summed in BF16 (the gather from
   a BF16-cast table, as before) ~3,700 cotangents near 1 stalled where one more 1 is below half a BF16 ulp: 86% off
-  on XLA:CPU. Gathered from the FP32 master and cast after, the sum is FP32's (vs a float64 np.add.at); the forward
-  values are the same either way."""
+  on XLA:CPU. ``layers.embed``'s backward sums in FP32 (vs a float64 np.add.at); its forward is the cast table's
+  gather."""
   rng = np.random.default_rng(0)
   table = jnp.asarray(rng.standard_normal((64, 128)), jnp.float32)
   toks = jnp.asarray(np.where(rng.random((8, 512)) < 0.9, 7, rng.integers(0, 64, (8, 512))), jnp.int32)
