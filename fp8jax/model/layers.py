@@ -12,6 +12,7 @@ from fp8jax import backends, sharding
 from fp8jax.model.config import ModelConfig
 from pallas_kernels import rms_norm as norm_ref
 
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def embed(table, tokens, dtype):
   """The rows of ``table`` for ``tokens`` in ``dtype`` (the table cast first, as before: the same values and, on a
