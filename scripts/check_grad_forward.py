@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 
 from fp8jax import ops  # noqa: E402
 from fp8jax.config_utils import load_config_file, override, parse_sets  # noqa: E402
-from fp8jax.model import llama  # noqa: E402
+from fp8jax.model import llama, schema  # noqa: E402
 from fp8jax.model.config import ModelConfig  # noqa: E402
 from fp8jax.rl import trainer as trainer_lib  # noqa: E402
 
@@ -41,8 +41,8 @@ from fp8jax.rl import trainer as trainer_lib  # noqa: E402
 def check_linear(cfg, backend: str, rows: int) -> list[dict]:
   """ops.linear alone (BF16 mode) at the model's linear shapes: plain vs under value_and_grad / vjp."""
   rng = np.random.default_rng(0)
-  shapes = sorted({(cfg.n_heads * cfg.head_dim, cfg.dim), (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
-                   (cfg.dim, cfg.n_heads * cfg.head_dim), (cfg.ffn_dim, cfg.dim), (cfg.dim, cfg.ffn_dim)})
+  linear = {p.key for p in schema.LAYER if p.linear}
+  shapes = sorted({s for key, s in schema.layer_shapes(cfg, 0).items() if key in linear and len(s) == 2})
   cases = [(n, k, "bfloat16") for n, k in shapes] + [(min(cfg.vocab_size, 8192), cfg.dim, "float32")]
   out = []
   for n, k, out_dtype in cases:

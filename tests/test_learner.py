@@ -4,6 +4,7 @@ import fp8jax
 
 import dataclasses
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -131,15 +132,9 @@ def test_set_flags_parse_as_python_literals_else_strings():
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SMOLLM2 = os.path.join(_REPO, "configs", "smollm2_asdiv_fp8.py")
+sys.path.insert(0, os.path.join(_REPO, "scripts"))  # as tests/test_hf.py does for compare_torch
 
-
-def _check_grad_forward():
-  import importlib.util  # noqa: PLC0415
-  path = os.path.join(_REPO, "scripts", "check_grad_forward.py")
-  spec = importlib.util.spec_from_file_location("check_grad_forward", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+import check_grad_forward  # noqa: E402
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
@@ -147,7 +142,7 @@ def test_train_step_forward_is_the_logprob_pass_bitwise(mode):
   """The train step differentiates the log-prob function; its forward half must give the log-prob pass's bits, or a
   fresh rollout's PPO ratio is not exactly 1 (``scripts/check_grad_forward.py``). SmolLM2's shapes (width 576, not a
   power of two; the tied 49152-row head), one layer, random weights."""
-  r = _check_grad_forward().check_model(_SMOLLM2, mode, 1, 2, 48, {})
+  r = check_grad_forward.check_model(_SMOLLM2, mode, 1, 2, 48, {})
   assert r["layers"] == 1 and r["bitwise"] == 1.0, r
 
 
@@ -157,5 +152,5 @@ def test_train_step_forward_is_the_logprob_pass_bitwise(mode):
 def test_gpu_train_step_forward_is_the_logprob_pass_bitwise(mode):
   """On the GPU, at the trainer's sizes (8 x 640 tokens, 2 layers): XLA lays out the gradient program differently
   (the residual stream transposed for the weight gradients), which must not change the forward bits."""
-  r = _check_grad_forward().check_model(_SMOLLM2, mode, 2, 8, 640, {})
+  r = check_grad_forward.check_model(_SMOLLM2, mode, 2, 8, 640, {})
   assert r["bitwise"] == 1.0, r
