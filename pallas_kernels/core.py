@@ -10,7 +10,8 @@ What lives here is what the kernels and their plain-jnp references must compute 
   is written out in ``fp8jax.quant``, which builds the quantizer from these);
 * ``pairwise_sum`` / ``pairwise_max`` / ``invariant_sum`` / ``invariant_dot``: sums and dots whose rows do not depend
   on the number of rows (batch invariance on XLA:CPU, where XLA picks reduction orders and matmul blockings from the
-  whole shape).
+  whole shape);
+* ``segment_sum``: a scatter-add (rows summed per id) in a fixed order, where XLA:GPU's scatter adds with atomics.
 """
 
 from __future__ import annotations
@@ -183,3 +184,31 @@ def invariant_sum(x):
   runs fixed tiles there), a plain ``jnp.sum`` elsewhere (on GPUs XLA's fusions, tiled alike at every N once the
   fusion autotuner is off: ``fp8jax.COMPILER_OPTIONS``)."""
   return pairwise_sum(x) if jax.default_backend() == "cpu" else jnp.sum(x, axis=-1)
+
+
+def segment_sum(ids, rows, num_segments: int, dtype=jnp.float32):
+  """``zeros((num_segments, D), dtype).at[ids].add(rows)`` with every sum in one fixed order, run to run.
+
+  XLA:GPU runs a scatter-add with atomic adds, so rows that share an id are summed in whatever order the threads
+  arrive: an embedding table's gradient (thousands of cotangents per common token) differed in its last bits on
+  every call (H100, 2026-12-07: 0 of 10 repeats bitwise, at SmolLM2's and at Llama-3.1-8B's shapes), and so did
+  every run's weights after the first step. Here the rows are sorted by id (a stable sort), each id's rows summed by
+  a segmented scan (``lax.associative_scan``: a fixed tree of elementwise adds, no atomics), and each id's total
+  written once by a scatter without duplicates. ``ids``: (N,) ints in [0, num_segments); ``rows``: (N, D), summed
+  in ``dtype``. The error is a pairwise sum's (about log2 of an id's count roundings), not a left-to-right one's."""
+  n = ids.shape[0]
+  if n == 0:
+    return jnp.zeros((num_segments, rows.shape[-1]), dtype)
+  order = jnp.argsort(ids, stable=True)
+  sid = ids[order]
+  x = rows[order].astype(dtype)
+  new = sid[1:] != sid[:-1]
+  first = jnp.concatenate([jnp.ones((1,), bool), new])  # a segment starts here
+  last = jnp.concatenate([new, jnp.ones((1,), bool)])  # ... and ends here: its running sum is its total
+
+  def combine(a, b):  # (starts, sums) of two adjacent spans: b's sums restart where b holds a segment start
+    return a[0] | b[0], jnp.where(b[0][:, None], b[1], a[1] + b[1])
+
+  _, running = lax.associative_scan(combine, (first, x))
+  target = jnp.where(last, sid, num_segments)  # out of range: dropped
+  return jnp.zeros((num_segments, x.shape[-1]), dtype).at[target].set(running, mode="drop")

@@ -10,28 +10,41 @@ import jax.numpy as jnp
 
 from fp8jax import backends, sharding
 from fp8jax.model.config import ModelConfig
+from pallas_kernels import core
 from pallas_kernels import rms_norm as norm_ref
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def embed(table, tokens, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def embed(table, tokens, dtype, mesh=None):
   """The rows of ``table`` for ``tokens`` in ``dtype`` (the table cast first, as before: the same values and, on a
-  sharded table, the same communication). Its gradient is a scatter-add of each position's cotangent into its
-  token's row, done here in the table's dtype (the FP32 master): as the transpose of the BF16 gather, it summed in
-  BF16, where a token repeated a few thousand times in a minibatch (a space, a digit) lost most of its later
-  contributions to rounding."""
+  sharded table, the same communication). Its gradient sums each position's cotangent into its token's row in the
+  table's dtype (the FP32 master; as the transpose of the BF16 gather it summed in BF16, where a token repeated a
+  few thousand times lost most of its later contributions to rounding), in a fixed order (``core.segment_sum``:
+  XLA:GPU's scatter-add uses atomics, so the gradient, and every run's weights after it, changed from run to run).
+  ``mesh``: on a mesh that splits the batch, each device sums its own tokens and the partial tables are all-reduced."""
   return table.astype(dtype)[tokens]
 
 
-def _embed_fwd(table, tokens, dtype):
+def _embed_fwd(table, tokens, dtype, mesh):
   # (V, 0): a zero-byte array that carries the table's row count and dtype into the backward pass
-  return embed(table, tokens, dtype), (tokens, jnp.zeros((table.shape[0], 0), table.dtype))
+  return embed(table, tokens, dtype, mesh), (tokens, jnp.zeros((table.shape[0], 0), table.dtype))
 
 
-def _embed_bwd(dtype, res, g):
+def _embed_bwd(dtype, mesh, res, g):
   tokens, tag = res
-  grad = jnp.zeros((tag.shape[0], g.shape[-1]), tag.dtype).at[tokens].add(g.astype(tag.dtype))
-  return grad, None
+  v, d = tag.shape[0], g.shape[-1]
+
+  def local(tok, g_):
+    return core.segment_sum(tok.reshape(-1), g_.reshape(-1, d), v, tag.dtype)
+
+  axes = sharding.split_batch_axes(mesh, tokens.shape[0])
+  if axes is None:
+    return local(tokens, g), None
+  P = jax.sharding.PartitionSpec
+  spec = P(axes, *([None] * (tokens.ndim - 1)))
+  run = sharding.per_device(lambda tok, g_: jax.lax.psum(local(tok, g_), axes), mesh,
+                            (spec, P(*spec, None)), P())
+  return run(tokens, g), None
 
 
 embed.defvjp(_embed_fwd, _embed_bwd)

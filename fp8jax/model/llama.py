@@ -91,7 +91,7 @@ def forward(params, tokens_BxT, cfg: ModelConfig, lcfg: ops.LinearConfig = ops.L
     positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   dtype = jnp.dtype(cfg.dtype)
   lcfg = dataclasses.replace(lcfg, out_dtype=cfg.dtype)
-  x = embed(params["embed"], tokens_BxT, dtype)
+  x = embed(params["embed"], tokens_BxT, dtype, lcfg.mesh)
   inv_freq = rope_inv_freq(cfg)
 
   # The residual add after each layer runs inside the next norm's kernel (decoder_layer's defer_add), except under
