@@ -508,7 +508,9 @@ def main():
                 f"{'kv':5s} {'impl':16s} {'us/layer':>9s} {'live GB/s':>10s} {'of copy bw':>10s}"]
       table += [f"{r['decode']:5s} {r['impl']:16s} {fmt(r.get('ms_per_layer') and r['ms_per_layer'] * 1e3):>9s} "
                 f"{fmt(r.get('live_gbps')):>10s} {fmt(r.get('frac_of_copy_bw'), '{:.2f}'):>10s}" for r in drows]
-    name = "attention_h200.json"
+    kind = jax.devices()[0].device_kind
+    card = next((c for c in ("h100", "h200") if c in kind.lower()), "".join(ch for ch in kind.lower() if ch.isalnum()))
+    name = f"attention_{card}.json"
   result["backends"] = backends.backend_report()
   with open(os.path.join(a.out, name), "w") as f:
     json.dump(result, f, indent=1)

@@ -628,8 +628,10 @@ def main():
       row = bench_case(mm, name + " dW", kk, nn, 2, row_scales=True, out_dtype=jnp.float32)
       rows.append(row)
       log(json.dumps(row))
+  meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "torch": torch.__version__,
+          "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:]}
   with open(os.path.join(args.out, "bench_gemm.json"), "w") as f:
-    json.dump(rows, f, indent=1)
+    json.dump(dict(meta, rows=rows), f, indent=1)
   with open(os.path.join(args.out, "bench_gemm.log"), "w") as f:
     f.write("\n".join(LOG))
   print("\nTFLOP/s (2MNK / median kernel time), relative errors vs exact references\n" + table(rows))
