@@ -196,8 +196,8 @@ def segment_sum(ids, rows, num_segments: int, dtype=jnp.float32):
   a segmented scan (``lax.associative_scan``: a fixed tree of elementwise adds, no atomics), and each id's total
   written once by a scatter without duplicates. ``ids``: (N,) ints in [0, num_segments); ``rows``: (N, D), summed
   in ``dtype``. The error is a pairwise sum's (about log2 of an id's count roundings), not a left-to-right one's."""
-  n = ids.shape[0]
-  if n == 0:
+  ids, rows = jnp.asarray(ids), jnp.asarray(rows)  # NumPy ids (a caller's constant) cannot be indexed by a tracer
+  if ids.shape[0] == 0:
     return jnp.zeros((num_segments, rows.shape[-1]), dtype)
   order = jnp.argsort(ids, stable=True)
   sid = ids[order]
