@@ -10,7 +10,9 @@ each step in this process:
     bitwise the same rows of the whole batch (batch invariance of the trainer)?
   * sampler vs trainer on **all** sequences (the trainer's metric samples grpo.mismatch_sample of them): how many
     sampled tokens differ, and by how much;
-  * the train step twice from one state: every parameter leaf bitwise equal after the update?
+  * the train step twice from one state: every leaf of the new state (parameters and the optimizer's moments, whose
+    second moment keeps a gradient's last bits that Adam's small update may round away from the parameters) and
+    every metric bitwise equal?
 then continues the loop from the first update (the next rollout's FP8 KV scales from its amax, as the trainer does).
 It calls the loop's public pieces: ``RolloutWorker.refit`` / ``generate``, ``rollout.train_batch``,
 ``Learner.logprobs`` / ``train_step``.
@@ -76,9 +78,10 @@ def check_step(tr: RLTrainer, step: int) -> dict:
            sampler_vs_trainer_max_abs_dlp=float(d.max()))
   mb = dict(batch, **({"kv_scales": kv} if kv is not None else {}))
   state0 = jax.tree.map(jnp.copy, tr.state)
-  new, _ = learner.train_step(jax.tree.map(jnp.copy, state0), dict(mb))
-  again, _ = learner.train_step(state0, dict(mb))  # the step donates its state: each call gets its own copy
-  r["train_step_leaves_differ"] = differing_leaves(new.params, again.params)
+  new, m1 = learner.train_step(jax.tree.map(jnp.copy, state0), dict(mb))
+  again, m2 = learner.train_step(state0, dict(mb))  # the step donates its state: each call gets its own copy
+  r["train_step_leaves_differ"] = differing_leaves(new, again)
+  r["train_step_metrics_differ"] = sorted(k for k in m1 if not bitwise(m1[k], m2[k]))
   del again
   tr.state = new  # its KV scales are the next rollout's (from this step's K/V amax), as in the loop
   return r
