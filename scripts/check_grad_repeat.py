@@ -1,6 +1,6 @@
 """Is the embedding table's gradient the same bits on every call, and what does it cost?
 
-  PYTHONPATH=. python3 scripts/check_grad_repeat.py [--repeats=10] [--out=FILE.json]
+  python scripts/check_grad_repeat.py [--repeats=10] [--shapes=smollm2,llama8b] [--out=FILE.json]
 
 The gradient of a token-embedding gather is a sum of each position's cotangent into its token's row. Three ways to
 compute it, each jitted once and called --repeats times on the same inputs (FP32 table, BF16 cotangents, token ids
@@ -81,16 +81,20 @@ def main():
   ap.add_argument("--shapes", default=",".join(SHAPES))
   ap.add_argument("--out", default="")
   a = ap.parse_args()
-  res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-         "shapes": {}}
+  unknown = sorted(set(a.shapes.split(",")) - set(SHAPES))
+  if unknown:
+    ap.error(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
+  res = {"command": " ".join(["python", *sys.argv]), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+         "date": time.strftime("%Y-%m-%d"), "shapes": {}}
   print(f"{'shape':9} {'way':22} {'repeats bitwise':>15} {'ms':>9} {'err/max':>9}")
   for name in a.shapes.split(","):
     r = res["shapes"][name] = measure(name, a.repeats)
     for way, m in r["ways"].items():
       print(f"{name:9} {way:22} {m['repeats_bitwise']:>15} {m['ms']:9.3f} {m['max_err_rel_to_max']:9.1e}", flush=True)
-  if a.out:
-    with open(a.out, "w") as f:
-      json.dump(res, f, indent=1)
+    if a.out:  # after each shape: a run cut short by a time limit keeps the shapes it finished
+      with open(a.out + ".tmp", "w") as f:
+        json.dump(res, f, indent=1)
+      os.replace(a.out + ".tmp", a.out)
 
 
 if __name__ == "__main__":
