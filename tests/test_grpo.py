@@ -200,6 +200,32 @@ class TestGroupAdvantages:
     keep = grpo.dynamic_sampling_keep(jnp.array([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]]))
     assert keep.tolist() == [False, True, False]
 
+  def test_train_batch_counts_the_groups_that_teach_nothing(self):
+    """rollout.train_batch's no_signal_groups_frac: the share of generated groups whose rewards all agree (their
+    advantages are exactly 0), over every group generated, also those dynamic sampling dropped."""
+    from fp8jax import sampler as sampler_lib  # noqa: PLC0415
+    from fp8jax.rl import rollout  # noqa: PLC0415
+    from fp8jax.rl.learner import GRPOConfig  # noqa: PLC0415
+
+    def ro(n_prompts, g=2):
+      r = n_prompts * g
+      return sampler_lib.Rollout(
+          prompt_idx=np.repeat(np.arange(n_prompts), g), prompt_tokens=np.ones((r, 3), np.int32),
+          prompt_lens=np.full(r, 3), tokens=np.full((r, 2), 5, np.int32), logprobs=np.full((r, 2), -0.5, np.float32),
+          lengths=np.full(r, 2), finish_reason=np.full(r, sampler_lib.FINISH_STOP), stats={})
+
+    rewards = np.array([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]], np.float32)  # agree, differ, agree
+    gc = GRPOConfig(num_prompts=3, num_generations=2)
+    batch, info = rollout.train_batch([(ro(3), np.ones(3, bool))], [rewards], gc, pad_id=0)
+    assert info["no_signal_groups_frac"] == 2 / 3 and info["groups_kept"] == 3
+    assert np.all(batch["adv"][[0, 1, 4, 5]] == 0) and np.all(batch["adv"][2:4] != 0)
+    # dynamic sampling: a second batch refilled what the first dropped; the share counts both batches' groups
+    second = np.array([[1.0, 0.0], [0.5, 0.5], [2.0, 0.0]], np.float32)  # differ, agree, differ
+    parts = [(ro(3), np.array([False, True, False])), (ro(3), np.array([True, False, True]))]
+    batch, info = rollout.train_batch(parts, [rewards, second], gc, pad_id=0)
+    assert info["no_signal_groups_frac"] == 3 / 6 and info["groups_kept"] == 3
+    assert np.all(batch["adv"] != 0)
+
 
 class TestOverlongMask:
 

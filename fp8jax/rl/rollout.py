@@ -109,6 +109,10 @@ def train_batch(parts, rewards_list, gc: GRPOConfig, pad_id: int) -> tuple[dict,
   ``parts`` ([(rollout, kept groups (P,))], ``Collected.parts``) with rewards ``rewards_list`` ([(P, G)]);
   masked-out groups pad it if dynamic sampling fell short (zero mask: no gradient, no metrics). Returns it with host
   metrics: reward metrics cover every generated group (also those dynamic sampling dropped), the rest the kept ones.
+  ``no_signal_groups_frac`` is the fraction of generated groups whose rewards all agree (all right or all wrong):
+  their advantages are 0, so they teach nothing. At 1.0 the step's gradient is exactly 0; a run whose policy gives
+  each prompt one answer, however it words it, stalls so (``grpo.dynamic_sampling`` drops such groups and draws more
+  prompts).
   """
   g = gc.num_generations
   groups = []  # (tokens, mask, old_logp, adv, lengths, finish) per kept group
@@ -132,7 +136,9 @@ def train_batch(parts, rewards_list, gc: GRPOConfig, pad_id: int) -> tuple[dict,
     mask = mask * np.asarray(grpo.overlong_mask(fin == sampler_lib.FINISH_LENGTH))[:, None]
   rw = np.concatenate([np.ravel(r) for r in rewards_list])
   real = slice(0, n_real * g)
-  info = {"reward_mean": float(rw.mean()), "reward_std": float(rw.std()), "groups_kept": float(n_real)}
+  agree = np.concatenate([~np.asarray(grpo.dynamic_sampling_keep(r)) for r in rewards_list])
+  info = {"reward_mean": float(rw.mean()), "reward_std": float(rw.std()), "groups_kept": float(n_real),
+          "no_signal_groups_frac": float(agree.mean())}
   if n_real:
     info.update(gen_len_mean=float(lens[real].mean()), gen_len_max=float(lens[real].max()),
                 truncated_frac=float(np.mean(fin[real] == sampler_lib.FINISH_LENGTH)))
