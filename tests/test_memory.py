@@ -147,8 +147,10 @@ def test_the_plan_adds_the_compiled_programs_temporaries_extrapolated_in_depth(m
   memory.check(gpu, gpu.peak(exact_only=True))  # the CPU's temporaries are not held against a GPU
 
 
-def test_a_refusal_names_the_keys_that_shrink_the_phase():
-  """check's message for each phase names the config keys that shrink it (a plan of made-up sizes)."""
+def test_a_refusal_names_the_keys_that_shrink_the_phase(monkeypatch):
+  """check's message for each phase names the config keys that shrink it (a plan of made-up sizes), and where the
+  device's limit comes from (the allocator's share, several processes on one GPU set it lower)."""
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
   g = GIB
   p = memory.MemoryPlan(mesh={"fsdp": 1}, state={"master params (FP32)": 30 * g, "optimizer state": 60 * g},
                         rollout={"sampler weights": 9 * g, "KV cache pool": 10 * g},
@@ -162,6 +164,10 @@ def test_a_refusal_names_the_keys_that_shrink_the_phase():
   with pytest.raises(ValueError, match="rollout phase") as e:
     memory.check(p, 160 * g)
   assert "rollout.slots" in str(e.value) and "grpo.num_prompts" in str(e.value)
+  assert "XLA_PYTHON_CLIENT_MEM_FRACTION, JAX's default 0.75" in str(e.value)
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.155")
+  with pytest.raises(ValueError, match=r"may use: XLA_PYTHON_CLIENT_MEM_FRACTION=0\.155\)"):
+    memory.check(p, 160 * g)
 
 
 def test_offload_moves_the_state_rows_to_host_memory():

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import time
 
 import jax
@@ -350,6 +351,8 @@ def check(p: MemoryPlan, limit: int | None) -> None:
   else:
     hint += ("; or fewer activations per microbatch (grpo.microbatch, model.remat=True, rollout.max_new_tokens), "
              "or train adapters only (lora.rank)")
+  share = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+  share = f"XLA_PYTHON_CLIENT_MEM_FRACTION={share}" if share else "XLA_PYTHON_CLIENT_MEM_FRACTION, JAX's default 0.75"
   raise ValueError(f"this run needs {need / GIB:.1f} GiB per device in its {phase} phase ({parts}; GiB) on a mesh "
-                   f"of {devices} device(s) {p.mesh}, but a device has {limit / GIB:.1f} GiB: {hint}. "
-                   f"scripts/plan_memory.py prints the whole plan.")
+                   f"of {devices} device(s) {p.mesh}, but a device has {limit / GIB:.1f} GiB (the share of its memory "
+                   f"that JAX's allocator may use: {share}): {hint}. scripts/plan_memory.py prints the whole plan.")
