@@ -110,7 +110,7 @@ def train_batch(parts, rewards_list, gc: GRPOConfig, pad_id: int) -> tuple[dict,
   masked-out groups pad it if dynamic sampling fell short (zero mask: no gradient, no metrics). Returns it with host
   metrics: reward metrics cover every generated group (also those dynamic sampling dropped), the rest the kept ones.
   ``no_signal_groups_frac`` is the fraction of generated groups whose rewards all agree (all right or all wrong):
-  their advantages are 0, so they teach nothing. At 1.0 the step's gradient is exactly 0; a run whose policy gives
+  their advantages are 0, so they teach nothing. At 1.0 the policy-gradient term is exactly 0; a run whose policy gives
   each prompt one answer, however it words it, stalls so (``grpo.dynamic_sampling`` drops such groups and draws more
   prompts).
   """
