@@ -116,11 +116,13 @@ def train_batch(parts, rewards_list, gc: GRPOConfig, pad_id: int) -> tuple[dict,
   """
   g = gc.num_generations
   groups = []  # (tokens, mask, old_logp, adv, lengths, finish) per kept group
+  no_signal = []  # per generated group: its rewards all agree (advantage 0)
   for (ro, keep), rewards in zip(parts, rewards_list):
     s, m, o = ro.sequences(pad_id=pad_id)
-    adv, _ = grpo.group_advantages(jnp.asarray(rewards), normalize_std=gc.normalize_std,
-                                   leave_one_out=gc.leave_one_out)
+    adv, valid = grpo.group_advantages(jnp.asarray(rewards), normalize_std=gc.normalize_std,
+                                       leave_one_out=gc.leave_one_out)
     adv = np.asarray(adv, np.float32)
+    no_signal.append(~np.asarray(valid))
     for pi in np.flatnonzero(keep):
       r = slice(pi * g, (pi + 1) * g)
       groups.append((s[r], m[r], o[r], adv[pi], ro.lengths[r], ro.finish_reason[r]))
@@ -136,9 +138,8 @@ def train_batch(parts, rewards_list, gc: GRPOConfig, pad_id: int) -> tuple[dict,
     mask = mask * np.asarray(grpo.overlong_mask(fin == sampler_lib.FINISH_LENGTH))[:, None]
   rw = np.concatenate([np.ravel(r) for r in rewards_list])
   real = slice(0, n_real * g)
-  agree = np.concatenate([~np.asarray(grpo.dynamic_sampling_keep(r)) for r in rewards_list])
   info = {"reward_mean": float(rw.mean()), "reward_std": float(rw.std()), "groups_kept": float(n_real),
-          "no_signal_groups_frac": float(agree.mean())}
+          "no_signal_groups_frac": float(np.concatenate(no_signal).mean())}
   if n_real:
     info.update(gen_len_mean=float(lens[real].mean()), gen_len_max=float(lens[real].max()),
                 truncated_frac=float(np.mean(fin[real] == sampler_lib.FINISH_LENGTH)))
