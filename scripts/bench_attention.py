@@ -49,6 +49,7 @@ from bench_gemm import jax_time_ms, log, LOG  # noqa: E402
 from fp8jax import attention as attn  # noqa: E402
 from fp8jax import kvcache, ops  # noqa: E402
 from fp8jax import backends
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 from pallas_kernels import attention as ref  # noqa: E402
 
 H, KV, D = 32, 8, 128
@@ -463,7 +464,7 @@ def main():
   if a.ncu_target:
     return ncu_rollout_decode()
   log("device:", jax.devices()[0].device_kind, "| jax", jax.__version__, "| date", time.strftime("%Y-%m-%d %H:%M:%S"))
-  result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d")}
+  result = provenance()
   if a.sweep:
     result["sweep"] = rows = sweep_rows(a.sweep_set)
     name = "attention_sweep.json"

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax import quant
+from fp8jax.diagnostics.provenance import provenance
 from pallas_kernels import fp8_gemm_mgpu as mgpu
 from pallas_kernels.core import invariant_dot
 from pallas_kernels.fp8_gemm import bf16_gemm_reference, fp8_gemm_reference
@@ -628,8 +629,7 @@ def main():
       row = bench_case(mm, name + " dW", kk, nn, 2, row_scales=True, out_dtype=jnp.float32)
       rows.append(row)
       log(json.dumps(row))
-  meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "torch": torch.__version__,
-          "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:]}
+  meta = {**provenance(packages=("torch",)), "cuda": torch.version.cuda}
   with open(os.path.join(args.out, "bench_gemm.json"), "w") as f:
     json.dump(dict(meta, rows=rows), f, indent=1)
   with open(os.path.join(args.out, "bench_gemm.log"), "w") as f:

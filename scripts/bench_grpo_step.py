@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 
 from fp8jax.config_utils import load_config_file, override, parse_sets, smoke_shape  # noqa: E402
 from fp8jax.rl.trainer import RLTrainer  # noqa: E402
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 
 KEYS = ("step_s", "rollout_s", "train_s", "requant_s", "gen_tokens_per_s", "token_mult_prob_error")
 
@@ -100,10 +101,8 @@ def main():
           f"{m['token_mult_prob_error']:.6f} | {r['peak_gib'] or float('nan'):.1f} | {r['plan_peak_gib']:.1f} | "
           f"{m['step_s'] / base:.2f} |")
   if a.out:
-    dev = jax.devices()[0]
     with open(a.out, "w") as f:
-      json.dump({"device": getattr(dev, "device_kind", dev.platform), "devices": jax.local_device_count(),
-                 "jax": jax.__version__, "args": vars(a),
+      json.dump({**provenance(), "args": vars(a),
                  "xla_flags": os.environ.get("XLA_FLAGS", ""), "results": results}, f, indent=1)
 
 

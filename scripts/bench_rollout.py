@@ -64,13 +64,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
 import math
 import os
-import platform
-import sys
 import time
 import traceback
 import warnings
@@ -90,6 +87,7 @@ from fp8jax import kvcache as kvc
 from fp8jax import backends, ops, recipes
 from fp8jax import sampler as smp
 from fp8jax.config_utils import load_config_file
+from fp8jax.diagnostics.provenance import package_version, provenance
 from fp8jax.model import llama, schema
 from fp8jax.model.config import ModelConfig
 
@@ -469,7 +467,7 @@ def run_tunix(a, cfg: ModelConfig, master, prompts) -> dict:
   except Exception as e:  # noqa: BLE001 (any import failure: report and continue)
     return {"status": "skipped", "why": f"tunix not importable: {e!r}"}
   try:
-    version = _dist_version("google-tunix")
+    version = package_version("google-tunix")
     # tunix's activation sharding (model.shard) reads the legacy `with mesh:` context; its loaders use an
     # ('fsdp', 'tp') mesh. On one device both axes have size 1.
     # tunix shards with with_sharding_constraint, which needs Auto (not Explicit, the jax 0.11 default) mesh axes.
@@ -505,14 +503,6 @@ def run_tunix(a, cfg: ModelConfig, master, prompts) -> dict:
     return {"status": "failed", "why": repr(e), "traceback": traceback.format_exc()[-4000:]}
 
 
-def _dist_version(name: str) -> str | None:
-  try:
-    from importlib import metadata  # noqa: PLC0415
-    return metadata.version(name)
-  except Exception:  # noqa: BLE001
-    return None
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # Main
 # ------------------------------------------------------------------------------------------------------------------
@@ -544,18 +534,14 @@ def print_table(results: list[dict], tunix_res: dict):
 def main(argv=None):
   a = parse_args(argv)
   cfg = model_config(a)
-  dev = jax.devices()[0]
-  meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "device": str(dev),
-          "device_kind": getattr(dev, "device_kind", dev.platform), "jax": jax.__version__,
-          "jaxlib": _dist_version("jaxlib"), "python": platform.python_version(), "preset": a.preset,
+  meta = {**provenance(), "preset": a.preset,
           "args": {k: v for k, v in vars(a).items()}, "model": dataclasses.asdict(cfg),
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
           "xla_python_client_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
           "reference_xla_parts": "RoPE, norms, sampling, KV write; BF16 GEMMs are XLA dots; FP8 GEMM and "
                                  "attention: see gemm_backends",
           "roofline": {"hbm_bytes_per_s": HBM_BYTES_PER_S, "peak_flops": PEAK_FLOPS}}
-  log(f"bench_rollout: {meta['device_kind']} jax {jax.__version__}, preset {a.preset}: {cfg.n_layers} layers, "
+  log(f"bench_rollout: {meta['device']} jax {jax.__version__}, preset {a.preset}: {cfg.n_layers} layers, "
       f"dim {cfg.dim}, vocab {cfg.vocab_size}; slots {a.slots}, prompt {a.prompt_len}, max_new {a.max_new}")
   prompts = make_prompts(max(a.slots, a.prompts or 0), a.prompt_len, cfg.vocab_size, a.seed)
   out = {"meta": meta, "fp8jax": [], "tunix": {"status": "not run yet"}}

@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench_gemm import jax_time_ms  # noqa: E402
 from fp8jax import sampler as smp  # noqa: E402
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 
 
 def _fmix32(x):
@@ -71,9 +72,8 @@ def main():
 
   res = {name: jax_time_ms(f, [(logits, req, pos)], iters=10)[0]
          for name, f in (("threefry", threefry), ("hash", hashed), ("argmax", argmax))}
-  dev = jax.devices()[0]
   with open(os.path.join(a.out, "bench_sampling.json"), "w") as f:
-    json.dump({"device": getattr(dev, "device_kind", dev.platform), "jax": jax.__version__, "args": vars(a),
+    json.dump({**provenance(), "args": vars(a),
                "ms": res}, f, indent=1)
   print(f"\n| sampler ({a.rows} x {a.vocab} logits) | us per decode step |\n|---|---|")
   for name, ms in res.items():

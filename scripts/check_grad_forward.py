@@ -36,6 +36,7 @@ from fp8jax.config_utils import load_config_file, override, parse_sets  # noqa: 
 from fp8jax.model import llama, schema  # noqa: E402
 from fp8jax.model.config import ModelConfig  # noqa: E402
 from fp8jax.rl import trainer as trainer_lib  # noqa: E402
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 
 
 def check_linear(cfg, backend: str, rows: int) -> list[dict]:
@@ -102,7 +103,7 @@ def main(argv=None):
     sets = parse_sets(a.set)
   except ValueError as e:
     ap.error(str(e))
-  result = {"device": jax.devices()[0].device_kind, "linear": [], "model": []}
+  result = {**provenance(), "linear": [], "model": []}
   if a.linear:
     cfg = ModelConfig.from_config(override(load_config_file(a.config), sets, "check_grad_forward").model)
     backend = sets.get("fp8.gemm_backend", "auto")

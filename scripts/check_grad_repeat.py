@@ -27,6 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fp8jax  # noqa: E402
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 
 fp8jax.configure_xla()
 import jax  # noqa: E402
@@ -84,8 +85,7 @@ def main():
   unknown = sorted(set(a.shapes.split(",")) - set(SHAPES))
   if unknown:
     ap.error(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
-  res = {"command": " ".join(["python", *sys.argv]), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-         "date": time.strftime("%Y-%m-%d"), "shapes": {}}
+  res = {**provenance(), "shapes": {}}
   print(f"{'shape':9} {'way':22} {'repeats bitwise':>15} {'ms':>9} {'err/max':>9}")
   for name in a.shapes.split(","):
     r = res["shapes"][name] = measure(name, a.repeats)

@@ -21,10 +21,9 @@ import fp8jax  # noqa: E402
 
 fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 
-import jax  # noqa: E402
-
 from fp8jax import backends  # noqa: E402
 from fp8jax.diagnostics import one_engine  # noqa: E402
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 
 
 def main():
@@ -35,7 +34,7 @@ def main():
   a = ap.parse_args()
   cfg = one_engine.model_config(a.dim, a.layers, a.vocab)
   recipes = one_engine.promised_recipes(a.quantize_lm_head)
-  result = {"device": jax.devices()[0].device_kind, "args": vars(a), "recipes": {}}
+  result = {**provenance(), "args": vars(a), "recipes": {}}
   for name in a.recipes.split(","):
     result["recipes"][name] = one_engine.block_divergence(cfg, recipes[name], a.rows, a.len)
   print(f"device: {result['device']}; backends: {backends.backend_report()}")

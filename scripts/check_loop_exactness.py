@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 from fp8jax.config_utils import load_config_file, smoke_shape  # noqa: E402
 from fp8jax.rl import rollout  # noqa: E402
 from fp8jax.rl.trainer import RLTrainer  # noqa: E402
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 
 
 def load_config(path, a):
@@ -106,7 +107,7 @@ def main():
     rows.append(r)
   if a.out:
     with open(a.out, "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      json.dump({**provenance(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
                  "args": vars(a), "rows": rows}, f, indent=1)
 
 

@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 
 from fp8jax import backends  # noqa: E402
 from fp8jax.diagnostics import one_engine  # noqa: E402
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 
 
 def real_model(a):
@@ -78,7 +79,7 @@ def main():
           f"{m['bitwise_equal_frac']:14.4f}")
   if a.out:
     with open(a.out, "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind, "args": vars(a), "rows": rows}, f, indent=1)
+      json.dump({**provenance(), "args": vars(a), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from fp8jax import kvcache, ops, quant  # noqa: E402
 from fp8jax import backends
 from fp8jax.model import head, layers  # noqa: E402
 from fp8jax.model.config import ModelConfig  # noqa: E402
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 
 def _ops(d: int, vocab: int):
   """name -> (fn over row-batched arrays, list of per-row input shapes and dtypes) for one model width."""
@@ -137,7 +138,7 @@ def main():
         for c in cols))
   if a.out:
     with open(a.out, "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+      json.dump({**provenance(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fp8jax  # noqa: E402
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 
 fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 import jax  # noqa: E402
@@ -111,7 +112,7 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--out", default=os.environ.get("OUT", "."))
   a = p.parse_args()
-  result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, dots=dot_rows(), decode=decode_rows())
+  result = dict(**provenance(), dots=dot_rows(), decode=decode_rows())
   with open(os.path.join(a.out, "tile_bits.json"), "w") as f:
     json.dump(result, f, indent=1)
   print(f"{'dtype':9s} {'tile':6s}  differing from 64x4 (pv, qk, rowsum)")

@@ -22,6 +22,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import fp8jax  # noqa: E402
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 
 fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
   if a.out:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
-      json.dump({"summary": summary, "rows": r.rows}, f, indent=1)
+      json.dump({**provenance(), "summary": summary, "rows": r.rows}, f, indent=1)
       f.write("\n")
   return 0
 

@@ -13,16 +13,15 @@ with the GRPO configs' \\boxed{} instruction, in the model's chat template; the 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import fp8jax  # noqa: E402
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 
 fp8jax.configure_xla()  # XLA flags for every program of the process, before JAX starts its backend
 
@@ -89,15 +88,10 @@ def main(argv=None) -> int:
   else:
     print(f"\nno setting of the greedy search halved the KL ({kl0:.4f}); the last tried: {best['setting']} "
           f"KL {best.get('kl_gen')}")
-  import jax  # noqa: PLC0415
-
-  import numpy as np  # noqa: PLC0415
-
   result = {
-      "command": "python " + " ".join([os.path.relpath(__file__, os.getcwd())] + (argv or sys.argv[1:])),
-      "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
-      "cpu": _cpu_name(), "jax": jax.__version__, "numpy": np.__version__,
-      "fp8jax": getattr(fp8jax, "__version__", "?"),
+      **provenance("python " + " ".join([os.path.relpath(__file__, os.getcwd())] + (argv or sys.argv[1:])),
+                   packages=("numpy", "transformers")),
+      "cpu_cores": os.cpu_count(),
       "hf_dir": a.hf_dir, "data": a.data, "n_prompts": len(texts.seqs), "continuation": a.continuation,
       "template": a.template, "positions": ev.tokens, "continuations_stopped": texts.stopped,
       "driver_max_abs_dlogp": drift, "recipe": {"pow2_scales": a.pow2_scales, "quantize_lm_head": a.quantize_lm_head,
@@ -110,17 +104,6 @@ def main(argv=None) -> int:
       f.write("\n")
     print(f"wrote {a.out}")
   return 0
-
-
-def _cpu_name() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import sys
 
 import numpy as np
 
+from fp8jax.diagnostics.provenance import provenance
 from fp8jax.sampler import fcfs_decode_steps
 
 
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
           f"{r['occupancy_p95']:.3f} | {r['steps_mean']:.0f} |")
   if a.out:
     with open(a.out, "w") as f:
-      json.dump(dict(args=vars(a), rows=rows), f, indent=1)
+      json.dump(dict(**provenance(), args=vars(a), rows=rows), f, indent=1)
   return 0
 
 

@@ -22,6 +22,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from fp8jax.rl import memory, trainer  # noqa: E402
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _ROWS = flags.DEFINE_integer("rows", 1, "Sequences in the minibatch (grpo.microbatch of them per microbatch).")
@@ -38,9 +39,8 @@ def main(_):
   c.model.remat = bool(_REMAT.value)
   c.checkpoint.hf_dir = ""  # the architecture from config.model (no download)
   learner = trainer.learner_from_config(c, jax.devices()[:1])
-  out = {"argv": sys.argv[1:], "rows": _ROWS.value,
-         "seq": _SEQ.value, "microbatch": int(c.grpo.microbatch), "remat": bool(_REMAT.value),
-         "device": jax.devices()[0].device_kind, "jax": jax.__version__, "temp_gib": {}}
+  out = {**provenance(), "rows": _ROWS.value, "seq": _SEQ.value, "microbatch": int(c.grpo.microbatch),
+         "remat": bool(_REMAT.value), "temp_gib": {}}
   depths = [int(d) for d in _DEPTHS.value]
   if len(depths) < 2 or depths[0] >= depths[1]:
     raise app.UsageError(f"--depths={_DEPTHS.value}: give at least two increasing depths, e.g. 1,2")

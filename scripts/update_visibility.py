@@ -18,10 +18,8 @@ the share of the update that arrived: sum(change * direction) / (move * size), ~
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -35,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from fp8jax import assets, quant  # noqa: E402
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 
 
 def _moves(w, delta, key):
@@ -93,9 +92,8 @@ def main(argv=None):
           f"{r['fp8_update_arrived']:11.3f}")
   if a.out:
     with open(a.out, "w") as f:
-      json.dump({"command": " ".join(["python", "scripts/update_visibility.py", *(argv or sys.argv[1:])]),
-                 "date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-                 "versions": {"jax": jax.__version__}, "hf_dir": os.path.basename(os.path.normpath(hf_dir)),
+      json.dump({**provenance(" ".join(["python", "scripts/update_visibility.py", *(argv or sys.argv[1:])])),
+                 "hf_dir": os.path.basename(os.path.normpath(hf_dir)),
                  "lr": a.lr, "warmup": a.warmup, "values": n, "rows": rows}, f, indent=1)
     print(f"wrote {a.out}")
 

@@ -22,18 +22,16 @@ its command line, docs/parity.md says how it was run.
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
-import platform
-import sys
 
 import jax
 import numpy as np
 
 from fp8jax import config_utils
 from fp8jax.checkpoint import Checkpointer
+from fp8jax.diagnostics.provenance import provenance
 from fp8jax.metrics import read_jsonl
 from fp8jax.rl import trainer as trainer_lib
 
@@ -212,14 +210,6 @@ def plot_curves(result: dict, path: str) -> str:
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return path
-
-
-def provenance(command: str) -> dict:
-  dev = jax.devices()[0]
-  return {"command": command, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-          "device": getattr(dev, "device_kind", dev.platform), "platform": dev.platform,
-          "cpu": platform.processor() or platform.machine(), "python": sys.version.split()[0],
-          "jax": jax.__version__}
 
 
 def _read_rows(run_dir: str) -> list[dict]:
