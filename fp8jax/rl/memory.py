@@ -23,7 +23,10 @@ affine in the depth: T(L) = T(1) + (L - 1) (T(2) - T(1)), since each further lay
 checkpoint, its gradient, its weights' FP8 codes) while what the depth does not change (one layer's recomputation,
 the head's chunk, the loss) stays. So ``plan`` compiles 1 and 2 layers deep and extrapolates (``compiled_depths``);
 tests/test_memory.py checks the extrapolation against the compiled program at full depth. Where the layers differ it
-compiles at full depth.
+compiles at full depth. XLA:CPU's buffer assignment is close to affine; the GPU's is less so. Measured on an H100 at
+Llama-3.1-8B width, 32 x 4096 tokens (docs/results/train_step_temps_lora8b_h100.json): the full-parameter FP8 step
+holds 30.2 GiB at 32 layers where the extrapolation says 29.0 (4% under); the FP8 LoRA step 28.1 GiB where it says
+36.7 (31% over), its depths 1 / 2 / 3 holding 2.56 / 3.66 / 4.38 GiB.
 
 With ``optim.offload`` the master and the optimizer state live in host memory between steps (``host`` rows, not
 counted against the device); the train step's temporaries then hold their device copies (the compiled program's).
