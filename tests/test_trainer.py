@@ -336,6 +336,26 @@ def test_no_learning_signal_warns_then_stops(tmp_path, monkeypatch, caplog):
   assert sum("no learning signal" in r.getMessage() for r in caplog.records) == 1, caplog.text
 
 
+def _one_score(self, ro, answers):
+  return np.ones(len(answers), np.float32)
+
+
+def test_groups_that_all_agree_warn_once_and_go_on(tmp_path, monkeypatch, caplog):
+  """Rewards not all 0 but agreeing within every group (here every completion scores 1): the advantages and the
+  gradient are exactly 0 as in a collapse, but the run goes on (the optimizer's momentum still moves the weights and
+  a later batch may disagree): after train.collapse_steps such steps it warns once, naming grpo.dynamic_sampling."""
+  monkeypatch.setattr(source.ArithmeticSource, "score", _one_score)
+  tr = trainer_lib.RLTrainer(small_config(**{"train.collapse_steps": 2}), str(tmp_path))
+  tr.warmstart()
+  with caplog.at_level("WARNING", logger="fp8jax.rl.trainer"):
+    ms = [tr.step(i) for i in range(3)]
+  assert all(float(m["reward_mean"]) == 1.0 and float(m["grad_norm"]) == 0.0 for m in ms), ms
+  assert [m["no_signal_steps"] for m in ms] == [1, 2, 3]
+  assert [float(m["no_signal_groups_frac"]) for m in ms] == [1.0] * 3
+  warned = [r.getMessage() for r in caplog.records if "no learning signal" in r.getMessage()]
+  assert len(warned) == 1 and "through step 2" in warned[0] and "grpo.dynamic_sampling=True" in warned[0], warned
+
+
 def test_learning_signal_resets_the_count(tmp_path, parity_reward):
   """Rewards with variance (parity_reward): a nonzero gradient every step, so the guard never counts."""
   tr = trainer_lib.RLTrainer(small_config(**{"train.collapse_steps": 1}), str(tmp_path))

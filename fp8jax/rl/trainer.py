@@ -267,7 +267,8 @@ class RLTrainer:
       memory.check(self.memory_plan, limit)
     self._early_refit = None  # ``_run``'s refit of the next step, dispatched before the previous step's fetch
     self.stop_reason: str | None = None  # set by ``request_stop``: the loop saves and returns after the current step
-    self._no_signal = 0  # RL steps in a row without a learning signal (``_check_signal``)
+    self._no_signal = 0  # RL steps in a row with a gradient of exactly 0 (``_check_signal``)
+    self._dead = 0  # ... of them with every reward 0 as well
     # Where the params came from: "init" (seeded; the warm start runs from it), "warm start", "pretrained" (an HF
     # checkpoint or load_pretrained) or "checkpoint" (a resumed run). Not run state: a resume never warm-starts.
     self.params_origin = "pretrained" if hf_dir else "init"
@@ -441,24 +442,37 @@ class RLTrainer:
           f"{pmax:.3g}): the weights have likely overflowed (optim.lr={lr:g}); {self._last_checkpoint_text()}")
 
   def _check_signal(self, step: int, metrics: dict, grad_norms: list[float]) -> int:
-    """Counts consecutive RL steps without a learning signal: every sampled completion scored 0 and every update's
-    gradient exactly 0 (a collapsed policy that emits garbage, e.g. after an lr that overflowed the weights, or a
-    task the model cannot solve once: GRPO's advantages are then all 0 and nothing changes). After
-    ``train.collapse_steps`` such steps in a row the run warns, and with ``train.stop_on_collapse`` (default) stops
-    with PolicyCollapsed, before the step is saved. Returns the count (metric ``no_signal_steps``)."""
+    """Counts consecutive RL steps without a learning signal, i.e. with every update's gradient exactly 0, and returns
+    the count (metric ``no_signal_steps``). Two causes:
+    * every sampled completion scored 0 (a collapsed policy that emits garbage, e.g. after an lr that overflowed the
+      weights, or a task the model cannot solve once). After ``train.collapse_steps`` such steps in a row the run
+      warns, and with ``train.stop_on_collapse`` (default) stops with PolicyCollapsed, before the step is saved;
+    * rewards that are not all 0 but agree within every group (each prompt's samples all right or all wrong: GRPO's
+      advantages are 0). The optimizer's momentum still moves the weights and a later batch may disagree again, so
+      after ``train.collapse_steps`` such steps in a row the run warns once (per streak) and goes on."""
     limit = int(self.c.train.get("collapse_steps", 5))
-    dead = metrics.get("reward_mean") == 0.0 and all(g == 0.0 for g in grad_norms)
-    self._no_signal = self._no_signal + 1 if dead else 0
-    if limit and self._no_signal >= limit:
-      msg = (f"no learning signal for {self._no_signal} RL steps in a row (through step {step + 1}): every "
+    zero_grad = all(g == 0.0 for g in grad_norms)
+    dead = zero_grad and metrics.get("reward_mean") == 0.0
+    self._no_signal = self._no_signal + 1 if zero_grad else 0
+    self._dead = self._dead + 1 if dead else 0
+    if limit and self._dead >= limit:
+      msg = (f"no learning signal for {self._dead} RL steps in a row (through step {step + 1}): every "
              f"completion's reward is 0 and the gradient is exactly 0, so the policy cannot improve (a collapsed "
              f"policy, e.g. optim.lr={float(self.c.optim.lr):g} too high, or a task the model never solves: pick an "
              f"easier data set, or raise grpo.num_generations / rollout.max_new_tokens)")
       if bool(self.c.train.get("stop_on_collapse", True)):
         raise PolicyCollapsed(f"{msg}; stopped (train.stop_on_collapse=False only warns; train.collapse_steps "
                               f"sets the count, 0 turns the guard off); {self._last_checkpoint_text()}")
-      if self._no_signal == limit:
+      if self._dead == limit:
         log.warning("%s; continuing because train.stop_on_collapse=False", msg)
+    elif limit and self._no_signal == limit and not dead:
+      log.warning("no learning signal for %d RL steps in a row (through step %d): the rewards are not all 0 "
+                  "(reward_mean %.4g) but agree within every group of grpo.num_generations=%d, so every advantage "
+                  "and the policy gradient are exactly 0 (metric no_signal_groups_frac 1.0); the run goes on. "
+                  "grpo.dynamic_sampling=True drops such groups and draws other prompts; more samples per prompt "
+                  "(grpo.num_generations) or a higher rollout.temperature make agreeing groups rarer",
+                  self._no_signal, step + 1, float(metrics.get("reward_mean", float("nan"))),
+                  int(self.gc.num_generations))
     return self._no_signal
 
   # -- checkpoints --------------------------------------------------------------------------------------------------
