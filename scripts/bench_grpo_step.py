@@ -35,8 +35,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from fp8jax.config_utils import load_config_file, override, parse_sets, smoke_shape  # noqa: E402
-from fp8jax.rl.trainer import RLTrainer  # noqa: E402
 from fp8jax.diagnostics.provenance import provenance  # noqa: E402
+from fp8jax.rl.trainer import RLTrainer  # noqa: E402
 
 KEYS = ("step_s", "rollout_s", "train_s", "requant_s", "gen_tokens_per_s", "token_mult_prob_error")
 

@@ -33,10 +33,10 @@ import numpy as np  # noqa: E402
 
 from fp8jax import ops  # noqa: E402
 from fp8jax.config_utils import load_config_file, override, parse_sets  # noqa: E402
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 from fp8jax.model import llama, schema  # noqa: E402
 from fp8jax.model.config import ModelConfig  # noqa: E402
 from fp8jax.rl import trainer as trainer_lib  # noqa: E402
-from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 
 
 def check_linear(cfg, backend: str, rows: int) -> list[dict]:

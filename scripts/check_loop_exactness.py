@@ -36,9 +36,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from fp8jax.config_utils import load_config_file, smoke_shape  # noqa: E402
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 from fp8jax.rl import rollout  # noqa: E402
 from fp8jax.rl.trainer import RLTrainer  # noqa: E402
-from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 
 
 def load_config(path, a):

@@ -31,9 +31,9 @@ import numpy as np  # noqa: E402
 from fp8jax import attention as attn  # noqa: E402
 from fp8jax import kvcache, ops, quant  # noqa: E402
 from fp8jax import backends
+from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 from fp8jax.model import head, layers  # noqa: E402
 from fp8jax.model.config import ModelConfig  # noqa: E402
-from fp8jax.diagnostics.provenance import provenance  # noqa: E402
 
 def _ops(d: int, vocab: int):
   """name -> (fn over row-batched arrays, list of per-row input shapes and dtypes) for one model width."""

@@ -21,8 +21,8 @@ import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from fp8jax.rl import memory, trainer  # noqa: E402
 from fp8jax.diagnostics.provenance import provenance  # noqa: E402
+from fp8jax.rl import memory, trainer  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _ROWS = flags.DEFINE_integer("rows", 1, "Sequences in the minibatch (grpo.microbatch of them per microbatch).")
