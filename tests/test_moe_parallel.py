@@ -91,7 +91,9 @@ def test_expert_parallel_block_is_one_device_bitwise():
   token groups (1x128 over each device's tokens), so they agree within FP8 rounding (relative Frobenius error
   <= 5e-2; a wrong or missing partial gives >= 0.5). 15 tokens (not a multiple of 4: padded) alike. An expert count
   that the expert axis does not divide is refused naming both keys."""
-  out = child_process.run(BLOCK_SCRIPT, devices=4)
+  # At the default optimization level: at LLVM's level 0 (the suite's, tests/conftest.py) XLA:CPU's router matmul
+  # over the 4-way split tokens (15 tokens) differed from one device's in the last bit (rel 1e-7, 2026-12-07).
+  out = child_process.run(BLOCK_SCRIPT, devices=4, optimized=True)
   error = out.pop("error")
   assert error is not None and "mesh.expert=4" in error and "model.n_experts=6" in error, error
   assert set(out) == {f"{m}_{n}" for m in ("e4", "f2e2", "e2t2") for n in (96, 15)}

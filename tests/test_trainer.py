@@ -436,6 +436,20 @@ def test_rerun_of_a_finished_run_says_so_and_summarizes_it(tmp_path):
   assert summary and "nan" not in summary[0] and summary[0].endswith("(step 1)"), again.stdout
 
 
+# The main job in a child process compiled at XLA's default optimization level (tests/conftest.py: the suite's own
+# level-0 code would run it ~4x slower).
+LEARNS_SCRIPT = r"""
+from configs import tiny_fp8
+from fp8jax.rl import trainer as T
+c = tiny_fp8.get_config()
+c.checkpoint.every = 10**6
+c.train.steps = 60
+hist = T.RLTrainer(c, {tmp!r}).run(progress=False)
+report({{"accs": [h["val_accuracy"] for h in hist if "val_accuracy" in h],
+         "rewards": [h["reward_mean"] for h in hist if "reward_mean" in h]}})
+"""
+
+
 @pytest.mark.slow
 def test_tiny_default_learns(tmp_path):
   """The README's main job: GRPO improves on the warm start it started from, on any CPU.
@@ -454,13 +468,9 @@ def test_tiny_default_learns(tmp_path):
     +0.119): each window averages 20 x 256 sampled completions, so the difference of the two means has a std of
     <= 0.01 if they were independent (larger, since a group's 8 samples share a prompt): 0.05 is still several.
   """
-  c = tiny_fp8.get_config()
-  c.checkpoint.every = 10**6
-  c.train.steps = 60
-  hist = trainer_lib.RLTrainer(c, str(tmp_path)).run(progress=False)
-  accs = [h["val_accuracy"] for h in hist if "val_accuracy" in h]
-  rewards = [h["reward_mean"] for h in hist if "reward_mean" in h]
-  assert len(rewards) == c.train.steps
+  out = child_process.run(LEARNS_SCRIPT.format(tmp=str(tmp_path)), devices=None, timeout=2400, optimized=True)
+  accs, rewards = out["accs"], out["rewards"]
+  assert len(rewards) == 60
   assert accs[-1] >= 0.8, accs
   assert 1 - accs[-1] <= (2 / 3) * (1 - accs[0]), accs
   assert np.mean(rewards[-20:]) >= np.mean(rewards[:20]) + 0.05, (rewards[:20], rewards[-20:])
