@@ -53,6 +53,7 @@ import numpy as np
 
 from bench_gemm import LOG, cublas_block_call, fmt, jax_time_ms, log, rel_err, to_torch, torch_time_ms
 from fp8jax import quant
+from fp8jax.diagnostics.provenance import provenance
 from pallas_kernels import fp8_gemm_mgpu as mgpu
 from pallas_kernels import grouped_gemm
 from pallas_kernels.fp8_gemm import fp8_gemm_reference
@@ -284,7 +285,7 @@ def main():
       log(json.dumps(row), f"({time.time() - t:.1f}s)")
   stem = "bench_grouped_wgrad" if args.wgrad else "bench_grouped"
   with open(os.path.join(args.out, stem + ".json"), "w") as f:
-    json.dump(rows, f, indent=1)
+    json.dump({**provenance(packages=("torch",)), "cuda": torch.version.cuda, "rows": rows}, f, indent=1)
   with open(os.path.join(args.out, stem + ".log"), "w") as f:
     f.write("\n".join(LOG))
   if args.wgrad:
