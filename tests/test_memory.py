@@ -147,6 +147,26 @@ def test_the_plan_adds_the_compiled_programs_temporaries_extrapolated_in_depth(m
   memory.check(gpu, gpu.peak(exact_only=True))  # the CPU's temporaries are not held against a GPU
 
 
+def test_the_runs_own_check_compiles_the_train_step_the_run_then_executes(monkeypatch, tmp_path, caplog):
+  """Where the trainer checks its plan against a device's limit (a GPU's allocator; here a stand-in limit on the
+  CPU), the train step is compiled at the run's full depth, not extrapolated from depths 1 and 2, and that compile is
+  the run's: its first RL step compiles no train step again (JAX's in-memory cache: the plan's abstract state and
+  batch lower exactly as the run's arrays). The log that shows the plan's compile is the one that shows none in the
+  step, so the check can fail."""
+  monkeypatch.setattr(memory, "device_limit", lambda: 64 * GIB)
+  name = "jit(train_step)"
+  with jax.log_compiles(True), caplog.at_level("WARNING"):
+    tr = RLTrainer(small_config(**{"model.n_layers": 3}), str(tmp_path))
+    assert tr.memory_plan.compiled["train_step"]["depths"] == [3]
+    planned = sum(name in r.getMessage() and "Finished" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    m = tr.step(0)
+    again = [r.getMessage()[:80] for r in caplog.records if name in r.getMessage()]
+  assert planned >= 1  # (JAX logs each compile from two places)
+  assert again == [], again
+  assert m["token_mult_prob_error"] == 1.0
+
+
 def test_a_refusal_names_the_keys_that_shrink_the_phase(monkeypatch):
   """check's message for each phase names the config keys that shrink it (a plan of made-up sizes), and where the
   device's limit comes from (the allocator's share, several processes on one GPU set it lower)."""

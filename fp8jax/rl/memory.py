@@ -28,6 +28,13 @@ Llama-3.1-8B width, 32 x 4096 tokens (docs/results/train_step_temps_lora8b_h100.
 holds 30.2 GiB at 32 layers where the extrapolation says 29.0 (4% under); the FP8 LoRA step 28.1 GiB where it says
 36.7 (31% over), its depths 1 / 2 / 3 holding 2.56 / 3.66 / 4.38 GiB.
 
+A run's own check (``RLTrainer`` on a GPU, ``full_depth_train=True``) therefore compiles the train step at the run's
+full depth instead: its row is then the program the run executes, and the compile is not extra, because the run's
+first train step finds that executable in JAX's in-memory compilation cache (same lowering: the abstract state and
+batch carry the run's shapes, dtypes and shardings; tests/test_memory.py checks that the step does not compile
+again). The rollout programs stay extrapolated (their abstract weights lack the refit's shardings, so the run
+compiles its own; their temporaries hardly grow with the depth).
+
 With ``optim.offload`` the master and the optimizer state live in host memory between steps (``host`` rows, not
 counted against the device); the train step's temporaries then hold their device copies (the compiled program's).
 
@@ -212,13 +219,15 @@ def compile_rollout(sampler, sample_recipe, param_shapes, sp, *, prompts: int, s
 
 
 def plan(learner, sampler, sample_recipe, *, prompts: int, samples: int, prompt_len: int, max_new_tokens: int,
-         microbatch: int, sp=None, temporaries: bool = True, target: str | None = None) -> MemoryPlan:
+         microbatch: int, sp=None, temporaries: bool = True, target: str | None = None,
+         full_depth_train: bool = False) -> MemoryPlan:
   """The plan of a run whose learner and sampler are these, for a step of ``prompts`` x ``samples`` rollouts of
   prompts up to ``prompt_len`` tokens (the largest bucket) and ``max_new_tokens``, trained in microbatches of
   ``microbatch`` sequences (``learner.gc.microbatch``: the compiled step's). ``sp``: the rollouts' sampling
   parameters (top-k / top-p change the decode program); default temperature 1. ``temporaries=False`` leaves XLA's
   part out (no compiles). ``target``: the backend the run will use ("gpu"), when it is not this process's (planning
-  GPUs on the CPU): the temporaries, compiled for this backend, are then shown but not checked (``estimates``)."""
+  GPUs on the CPU): the temporaries, compiled for this backend, are then shown but not checked (``estimates``).
+  ``full_depth_train``: compile the train step at the run's depth, not at depths 1 and 2 (module docstring)."""
   del microbatch  # the compiled train step's own (learner.gc)
   kl = bool(learner.gc.kl_beta)
   state = learner.abstract_state(kv=False, ref=kl)
@@ -259,7 +268,7 @@ def plan(learner, sampler, sample_recipe, *, prompts: int, samples: int, prompt_
   alike_rollout = layers_alike(sampler.cfg, sample_recipe)
   train_at, prefill_at, decode_at = {}, {}, {}
   t0 = time.perf_counter()
-  for k in compiled_depths(n_layers, alike_train):
+  for k in compiled_depths(n_layers, alike_train and not full_depth_train):
     train_at[k] = compile_train_step(learner if k == n_layers else learner.at_depth(k), minibatch, seq)
   t1 = time.perf_counter()
   for k in compiled_depths(n_layers, alike_rollout):
