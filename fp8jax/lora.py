@@ -212,7 +212,7 @@ def attach(base: dict, adapters: dict, lcfg: LoRAConfig) -> dict:
   return {**base, "layers": type(base["layers"])(layers)}
 
 
-_to_bf16 = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t))
+to_bf16 = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t))
 
 
 def _is_lora(x) -> bool:
@@ -224,12 +224,12 @@ def has_adapters(weights) -> bool:
   return any(_is_lora(x) for x in jax.tree.leaves(weights, is_leaf=_is_lora))
 
 
-def sampling_weights(weights: dict) -> dict:
+def sampling_weights(weights: dict, cast=to_bf16) -> dict:
   """The sampler's form of attached weights: every adapter cast to BF16 (the values the op's GEMMs read from the
-  FP32 masters anyway; one jitted cast of the adapters alone), the base as it is: already the sampler's form, shared
-  with the trainer, never requantized or copied."""
+  FP32 masters anyway; one jitted cast of the adapters alone, ``cast``), the base as it is: already the sampler's
+  form, shared with the trainer, never requantized or copied. (``cast`` on shapes: the memory plan's.)"""
   leaves, treedef = jax.tree.flatten(weights, is_leaf=_is_lora)
-  cast = iter(_to_bf16([(x.a, x.b) for x in leaves if _is_lora(x)]))
+  cast = iter(cast([(x.a, x.b) for x in leaves if _is_lora(x)]))
   out = []
   for x in leaves:
     if _is_lora(x):

@@ -78,9 +78,9 @@ def main(argv):
   if temporaries and _N:
     raise app.UsageError("--temporaries with --devices: XLA's temporaries come from compiling on the GPU the plan is "
                          "for (run without --devices there); the CPU cannot compile the GPU's KV page layout")
-  own = None if _N else memory.device_limit()  # this process's GPU: the train step compiled as the run will (full depth)
+  own = None if _N else memory.device_limit()  # this process's GPU: the programs compiled as the run will (full depth)
   plan = memory_plan(_CONFIG.value, temporaries=temporaries, target="gpu" if _N else None,
-                     full_depth_train=own is not None)
+                     full_depth=own is not None)
   limit = int(_GIB.value * memory.GIB) if _GIB.value else own
   print(plan.table())
   verdict, fits = ("no limit to check against (CPU: pass --device_gib)" if limit is None else None), True

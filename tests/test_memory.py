@@ -147,23 +147,34 @@ def test_the_plan_adds_the_compiled_programs_temporaries_extrapolated_in_depth(m
   memory.check(gpu, gpu.peak(exact_only=True))  # the CPU's temporaries are not held against a GPU
 
 
-def test_the_runs_own_check_compiles_the_train_step_the_run_then_executes(monkeypatch, tmp_path, caplog):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_runs_own_check_compiles_the_programs_the_run_then_executes(lora, monkeypatch, tmp_path, caplog):
   """Where the trainer checks its plan against a device's limit (a GPU's allocator; here a stand-in limit on the
-  CPU), the train step is compiled at the run's full depth, not extrapolated from depths 1 and 2, and that compile is
-  the run's: its first RL step compiles no train step again (JAX's in-memory cache: the plan's abstract state and
-  batch lower exactly as the run's arrays). The log that shows the plan's compile is the one that shows none in the
-  step, so the check can fail."""
+  CPU), the train step, prefill and decode loop are compiled at the run's full depth, not extrapolated from depths 1
+  and 2, and those compiles are the run's: its first RL step compiles no train step or decode loop again, and one
+  prefill only (the BF16-cache prefill that calibrates the FP8 KV scales, once per run; the rollout's prefill is
+  the plan's). JAX's in-memory cache reuses a program only if the plan's abstract arguments lower exactly as the
+  run's arrays (shapes, shardings, static arguments; with LoRA the sampler's weights are the frozen base with BF16
+  adapters). The log that shows the plan's compiles is the one that shows none in the step, so the check can
+  fail."""
+  lora_keys = {"lora.rank": 8, "lora.alpha": 16.0, "warmstart.steps": 0} if lora else {}
   monkeypatch.setattr(memory, "device_limit", lambda: 64 * GIB)
-  name = "jit(train_step)"
+
+  def compiles(name):  # distinct compiles (JAX logs each from two places, with its time)
+    return len({r.getMessage() for r in caplog.records
+                if f"Finished XLA compilation of jit({name})" in r.getMessage()})
+
+  jax.clear_caches()  # programs another test of this process compiled would be found, not compiled, by the plan
   with jax.log_compiles(True), caplog.at_level("WARNING"):
-    tr = RLTrainer(small_config(**{"model.n_layers": 3}), str(tmp_path))
+    tr = RLTrainer(small_config(**{"model.n_layers": 3, **lora_keys}), str(tmp_path))
     assert tr.memory_plan.compiled["train_step"]["depths"] == [3]
-    planned = sum(name in r.getMessage() and "Finished" in r.getMessage() for r in caplog.records)
+    assert tr.memory_plan.compiled["decode"]["depths"] == tr.memory_plan.compiled["prefill"]["depths"] == [3]
+    planned = [compiles(n) for n in ("train_step", "_prefill_fn", "_decode_fn")]
     caplog.clear()
     m = tr.step(0)
-    again = [r.getMessage()[:80] for r in caplog.records if name in r.getMessage()]
-  assert planned >= 1  # (JAX logs each compile from two places)
-  assert again == [], again
+    again = [compiles(n) for n in ("train_step", "_prefill_fn", "_decode_fn")]
+  assert planned == [1, 1, 1], planned
+  assert again == [0, 1, 0], again
   assert m["token_mult_prob_error"] == 1.0
 
 

@@ -28,12 +28,13 @@ Llama-3.1-8B width, 32 x 4096 tokens (docs/results/train_step_temps_lora8b_h100.
 holds 30.2 GiB at 32 layers where the extrapolation says 29.0 (4% under); the FP8 LoRA step 28.1 GiB where it says
 36.7 (31% over), its depths 1 / 2 / 3 holding 2.56 / 3.66 / 4.38 GiB.
 
-A run's own check (``RLTrainer`` on a GPU, ``full_depth_train=True``) therefore compiles the train step at the run's
-full depth instead: its row is then the program the run executes, and the compile is not extra, because the run's
-first train step finds that executable in JAX's in-memory compilation cache (same lowering: the abstract state and
-batch carry the run's shapes, dtypes and shardings; tests/test_memory.py checks that the step does not compile
-again). The rollout programs stay extrapolated (their abstract weights lack the refit's shardings, so the run
-compiles its own; their temporaries hardly grow with the depth).
+A run's own check (``RLTrainer`` on a GPU, ``full_depth=True``) therefore compiles its programs at the run's full
+depth instead: each row is then the program the run executes, and the compiles are not extra, because the run's
+first step finds those executables in JAX's in-memory compilation cache. That takes the same lowering: the abstract
+arguments carry the run's shapes, dtypes, shardings and static arguments (the sampler's weights the shardings the
+refit gives them, ``sampler_weight_shapes``; the decode program the run's stop ids); tests/test_memory.py checks that
+the first step compiles none of them again. Rollouts over several devices (data-parallel, or one program over the
+mesh) run other programs than the one-device ones the plan compiles, so theirs stay extrapolated.
 
 With ``optim.offload`` the master and the optimizer state live in host memory between steps (``host`` rows, not
 counted against the device); the train step's temporaries then hold their device copies (the compiled program's).
@@ -53,7 +54,7 @@ import time
 import jax
 import numpy as np
 
-from fp8jax import sampler as sampler_lib, sharding
+from fp8jax import lora as lora_lib, sampler as sampler_lib, sharding
 
 GIB = 2**30
 
@@ -171,24 +172,60 @@ def compile_train_step(learner, rows: int, seq: int) -> dict:
   return memory_analysis(learner.train_step.lower(*train_step_args(learner, rows, seq)).compile())
 
 
-def rollout_args(sampler, sample_recipe, param_shapes, *, prompts: int, samples: int, bucket: int,
-                 max_new_tokens: int):
+def _placed(shapes, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+
+def _compiled_shapes(fn, *args, **kw):
+  """``fn``'s outputs on abstract ``args``, with the shardings its compiled program gives them."""
+  return _placed(fn.eval_shape(*args, **kw), fn.lower(*args, **kw).compile().output_shardings)
+
+
+def sampler_weight_shapes(runner, sample_recipe, learner):
+  """The one-device sampler's weights as the run's refit makes them from ``learner``'s state
+  (``RolloutWorker.refit``: ``sampler.refit`` of the master params, or for LoRA the frozen base with the adapters
+  cast to BF16; then ``fuse_projections``), abstract, with the shardings those programs give their outputs (read from
+  the programs compiled on the abstract state), so that the rollout programs compiled on them lower exactly as the
+  run's, which then reuses them (JAX's in-memory compilation cache)."""
+  if learner.lora is not None:
+    state = learner.abstract_state(kv=False, ref=False)
+    out = lora_lib.sampling_weights(lora_lib.attach(state.base, state.params, learner.lora),
+                                    cast=lambda pairs: _compiled_shapes(lora_lib.to_bf16, pairs))
+  else:
+    shapes = learner.param_shapes()
+    master = _placed(shapes, sharding.tree_shardings(shapes, runner.lcfg.mesh))
+    out = _compiled_shapes(sampler_lib.refit, master, recipe=sample_recipe)
+  fused = runner.fuse_projections_shape(out)
+  if fused is out:
+    return out
+  return _placed(fused, type(runner)._fuse.lower(runner, out).compile().output_shardings)
+
+
+def rollout_args(sampler, sample_recipe, learner, *, prompts: int, samples: int, bucket: int,
+                 max_new_tokens: int, placed: bool = True):
   """(runner, sampler weights, prompts, KV scales, requests, decode state, layout) of one device's share of a
   ``generate`` call, abstract: what its prefill and decode programs take (``Sampler._run_one``; data-parallel
-  rollouts run the one-device sampler on each device's share, ``Sampler._local``)."""
+  rollouts run the one-device sampler on each device's share, ``Sampler._local``). ``placed``: on one device, with
+  the shardings the run's arrays carry (``sampler_weight_shapes``; the KV scales and the decode state replicated on
+  the mesh, as the learner's state and the prefill leave them), so that the programs lower as the run's; False:
+  shapes only (byte counts)."""
   S, i32 = jax.ShapeDtypeStruct, np.int32
   d = sampler.rollout_devices()
   runner = sampler if d == 1 else sampler._local()
   lay, _ = sampler.device_pool(prompts, bucket, max_new_tokens)
-  refit = jax.eval_shape(functools.partial(sampler_lib.prepare_params, recipe=sample_recipe), param_shapes)
+  refit = jax.eval_shape(functools.partial(sampler_lib.prepare_params, recipe=sample_recipe), learner.param_shapes())
   if sharding.multi_device(runner.lcfg.mesh):  # one SPMD program over the mesh (nothing fuses there)
     sparams = jax.tree.map(lambda x, s: S(x.shape, x.dtype, sharding=s), refit,
                            sharding.tree_shardings(refit, runner.lcfg.mesh))
+  elif placed:
+    sparams = sampler_weight_shapes(runner, sample_recipe, learner)
   else:
-    sparams = runner.fuse_projections_shape(jax.tree.map(lambda x: S(x.shape, x.dtype), refit))
+    sparams = runner.fuse_projections_shape(refit)
+  place = placed and not sharding.multi_device(runner.lcfg.mesh)
+  rep = jax.sharding.NamedSharding(runner.lcfg.mesh, jax.sharding.PartitionSpec()) if place else None
   n_layers, r = sampler.cfg.n_layers, lay.n_prompts * samples
   toks = S((lay.n_prompts, bucket), i32)
-  scales = (S((n_layers,), np.float32), S((n_layers,), np.float32))
+  scales = (S((n_layers,), np.float32, sharding=rep), S((n_layers,), np.float32, sharding=rep))
   rq = sampler_lib._Requests(prompt_of_req=S((r,), i32), prompt_len=S((lay.n_prompts,), i32),
                              last_tok=S((lay.n_prompts,), i32), n_req=S((), i32), req_offset=S((), i32))
   kv = runner.scfg.kv_cache
@@ -198,15 +235,17 @@ def rollout_args(sampler, sample_recipe, param_shapes, *, prompts: int, samples:
     return runner._take(sampler_lib._new_state(cache, lay.slots, r, max_new_tokens), q, lay, lay.slots)
 
   state = jax.eval_shape(start, sparams, toks, *scales, rq)
+  if place:
+    state = jax.tree.map(lambda x: S(x.shape, x.dtype, sharding=rep), state)
   return runner, sparams, toks, scales, rq, state, lay
 
 
-def compile_rollout(sampler, sample_recipe, param_shapes, sp, *, prompts: int, samples: int, bucket: int,
+def compile_rollout(sampler, sample_recipe, learner, sp, *, prompts: int, samples: int, bucket: int,
                     max_new_tokens: int) -> dict:
   """Memory analyses of one device's prefill and decode-loop programs, and the decode state's bytes beyond the KV
   pool (the per-request outputs, slot vectors)."""
   runner, sparams, toks, (ks, vs), rq, state, lay = rollout_args(
-      sampler, sample_recipe, param_shapes, prompts=prompts, samples=samples, bucket=bucket,
+      sampler, sample_recipe, learner, prompts=prompts, samples=samples, bucket=bucket,
       max_new_tokens=max_new_tokens)
   kv = runner.scfg.kv_cache
   prefill = memory_analysis(type(runner)._prefill.lower(runner, sparams, toks, ks, vs, lay, kv).compile())
@@ -220,14 +259,14 @@ def compile_rollout(sampler, sample_recipe, param_shapes, sp, *, prompts: int, s
 
 def plan(learner, sampler, sample_recipe, *, prompts: int, samples: int, prompt_len: int, max_new_tokens: int,
          microbatch: int, sp=None, temporaries: bool = True, target: str | None = None,
-         full_depth_train: bool = False) -> MemoryPlan:
+         full_depth: bool = False) -> MemoryPlan:
   """The plan of a run whose learner and sampler are these, for a step of ``prompts`` x ``samples`` rollouts of
   prompts up to ``prompt_len`` tokens (the largest bucket) and ``max_new_tokens``, trained in microbatches of
   ``microbatch`` sequences (``learner.gc.microbatch``: the compiled step's). ``sp``: the rollouts' sampling
   parameters (top-k / top-p change the decode program); default temperature 1. ``temporaries=False`` leaves XLA's
   part out (no compiles). ``target``: the backend the run will use ("gpu"), when it is not this process's (planning
   GPUs on the CPU): the temporaries, compiled for this backend, are then shown but not checked (``estimates``).
-  ``full_depth_train``: compile the train step at the run's depth, not at depths 1 and 2 (module docstring)."""
+  ``full_depth``: compile the run's own programs at its depth, not at depths 1 and 2 (module docstring)."""
   del microbatch  # the compiled train step's own (learner.gc)
   kl = bool(learner.gc.kl_beta)
   state = learner.abstract_state(kv=False, ref=kl)
@@ -268,19 +307,20 @@ def plan(learner, sampler, sample_recipe, *, prompts: int, samples: int, prompt_
   alike_rollout = layers_alike(sampler.cfg, sample_recipe)
   train_at, prefill_at, decode_at = {}, {}, {}
   t0 = time.perf_counter()
-  for k in compiled_depths(n_layers, alike_train and not full_depth_train):
+  for k in compiled_depths(n_layers, alike_train and not full_depth):
     train_at[k] = compile_train_step(learner if k == n_layers else learner.at_depth(k), minibatch, seq)
   t1 = time.perf_counter()
-  for k in compiled_depths(n_layers, alike_rollout):
+  one_device = sampler.rollout_devices() == 1 and not sharding.multi_device(sampler.lcfg.mesh)
+  for k in compiled_depths(n_layers, alike_rollout and not (full_depth and one_device)):
     s_k = sampler if k == n_layers else sampler_lib.Sampler(dataclasses.replace(sampler.cfg, n_layers=k),
                                                             sampler.scfg, sampler.lcfg)
-    p_k = learner.param_shapes() if k == n_layers else learner.at_depth(k).param_shapes()
-    got = compile_rollout(s_k, sample_recipe, p_k, sp, prompts=prompts, samples=samples, bucket=bucket,
+    got = compile_rollout(s_k, sample_recipe, learner if k == n_layers else learner.at_depth(k), sp, prompts=prompts,
+                          samples=samples, bucket=bucket,
                           max_new_tokens=max_new_tokens)
     prefill_at[k], decode_at[k] = got["prefill"], got["decode"]
   compile_s = {"train_step": t1 - t0, "rollout": time.perf_counter() - t1}  # the plan's own cost, at start-up
-  *_, dstate, _ = rollout_args(sampler, sample_recipe, learner.param_shapes(), prompts=prompts, samples=samples,
-                               bucket=bucket, max_new_tokens=max_new_tokens)
+  *_, dstate, _ = rollout_args(sampler, sample_recipe, learner, prompts=prompts, samples=samples,
+                               bucket=bucket, max_new_tokens=max_new_tokens, placed=False)
   train_c, prefill_c, decode_c = (at_depth(a, n_layers) for a in (train_at, prefill_at, decode_at))
   decode_extra = tree_bytes(dstate) - pool
   rollout = {"sampler weights": weights, "KV cache pool": pool,

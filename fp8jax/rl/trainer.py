@@ -187,10 +187,13 @@ def _learner(config, cfg: ModelConfig, lcfg, train_recipe: recipes.Recipe, mesh,
                  warmstart=(int(ws.steps), int(ws.batch), float(ws.lr)), lora=lora)
 
 
-def _memory_plan(config, learner: Learner, sampler, sample_recipe: recipes.Recipe, **kw) -> memory.MemoryPlan:
+def _memory_plan(config, learner: Learner, sampler, sample_recipe: recipes.Recipe, sp=None,
+                 **kw) -> memory.MemoryPlan:
+  """``sp``: the run's sampling parameters (its decode program's static arguments; the stop ids change no memory,
+  but with them the plan's decode program is the run's own, which the run then reuses)."""
   r, gc = config.rollout, learner.gc
-  sp = sampler_lib.SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                  max_new_tokens=r.max_new_tokens)  # the decode program's (stop ids: no memory)
+  sp = sp or sampler_lib.SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                        max_new_tokens=r.max_new_tokens)
   return memory.plan(learner, sampler, sample_recipe, prompts=gc.num_prompts, samples=gc.num_generations,
                      prompt_len=min(max(r.prompt_buckets), r.max_len), max_new_tokens=r.max_new_tokens,
                      microbatch=gc.microbatch, sp=sp, **kw)
@@ -263,7 +266,7 @@ class RLTrainer:
     # The plan compiles the run's programs for XLA's temporaries (fp8jax.rl.memory): done here where there is a
     # limit to check against (a GPU's allocator), else on first use of ``memory_plan`` (the CPU has no limit).
     self._plan, self._sample_recipe, limit = None, sample_recipe, memory.device_limit()
-    self._own_device_plan = limit is not None  # the train step compiled at full depth: exact, and reused by the run
+    self._own_device_plan = limit is not None  # programs compiled at full depth: exact, and reused by the run
     if limit is not None:
       memory.check(self.memory_plan, limit)
     self._early_refit = None  # ``_run``'s refit of the next step, dispatched before the previous step's fetch
@@ -284,8 +287,8 @@ class RLTrainer:
   def memory_plan(self) -> memory.MemoryPlan:
     """This run's per-device memory plan (``fp8jax.rl.memory.plan``), made once."""
     if self._plan is None:
-      self._plan = _memory_plan(self.c, self.learner, self.worker.sampler, self._sample_recipe,
-                                full_depth_train=self._own_device_plan)
+      self._plan = _memory_plan(self.c, self.learner, self.worker.sampler, self._sample_recipe, sp=self.worker.sp,
+                                full_depth=self._own_device_plan)
     return self._plan
 
   def _init_state(self) -> TrainState:
