@@ -23,8 +23,10 @@ compiler's buffers replace them.
 Measured on one H100 80 GB (2026-12-06, random weights, 32 layers, 4096-token sequences): the trainer's own plan,
 which on a GPU compiles the train step for XLA's temporaries, refused microbatch 2 before making weights: 59.5 GiB
 of temporaries, 70.5 GiB in the train phase against the 59.4 GiB JAX takes by default (75% of the card; BF16 LoRA:
-84.0 GiB). Hence microbatch 1 and, on an 80 GB card, XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (76 GiB). The first
-step compiles for ~3-4 minutes (the plan's programs at depths 1 and 2, then the 32-layer rollout and train step).
+84.0 GiB). Hence microbatch 1 and, on an 80 GB card, XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (76 GiB). Start-up
+compiles the 32-layer train step, prefill and decode loop once, for the trainer's memory check, and the first step
+reuses them (measured before that change, which compiled the plan at depths 1 and 2 and then the 32-layer programs
+again: ~3-4 minutes to the end of the first step).
 Measured at full depth on one H200 (2026-12-06, random weights, docs/results/lora8b_grpo_step_h200.json; a smaller
 batch than this config's, 4 prompts x 8 samples on 32 slots, 4096-token sequences, microbatch 1): GRPO step 59.0 s
 vs BF16 LoRA 68.9 s (1.17x; rollout 44.1 vs 51.2 s, train 14.9 vs 17.7 s), token_mult_prob_error 1.0, peak 40.8 GiB
