@@ -24,9 +24,10 @@ checkpoint, its gradient, its weights' FP8 codes) while what the depth does not 
 the head's chunk, the loss) stays. So ``plan`` compiles 1 and 2 layers deep and extrapolates (``compiled_depths``);
 tests/test_memory.py checks the extrapolation against the compiled program at full depth. Where the layers differ it
 compiles at full depth. XLA:CPU's buffer assignment is close to affine; the GPU's is less so. Measured on an H100 at
-Llama-3.1-8B width, 32 x 4096 tokens (docs/results/train_step_temps_lora8b_h100.json): the full-parameter FP8 step
-holds 30.2 GiB at 32 layers where the extrapolation says 29.0 (4% under); the FP8 LoRA step 28.1 GiB where it says
-36.7 (31% over), its depths 1 / 2 / 3 holding 2.56 / 3.66 / 4.38 GiB.
+Llama-3.1-8B width, 32 x 4096 tokens (docs/results/train_step_temps_lora8b_h100.json): the FP8 LoRA step held
+30.2 GiB at 32 layers where the extrapolation said 29.0 (4% under); with its frozen base passed through the
+microbatch loop's barrier, 28.1 GiB where it says 36.7 (31% over), its depths 1 / 2 / 3 holding 2.56 / 3.66 /
+4.38 GiB: the depth-to-depth steps are not equal on the GPU.
 
 A run's own check (``RLTrainer`` on a GPU, ``full_depth=True``) therefore compiles its programs at the run's full
 depth instead: each row is then the program the run executes, and the compiles are not extra, because the run's
