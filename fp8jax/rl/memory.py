@@ -206,23 +206,25 @@ def rollout_args(sampler, sample_recipe, learner, *, prompts: int, samples: int,
                  max_new_tokens: int, placed: bool = True):
   """(runner, sampler weights, prompts, KV scales, requests, decode state, layout) of one device's share of a
   ``generate`` call, abstract: what its prefill and decode programs take (``Sampler._run_one``; data-parallel
-  rollouts run the one-device sampler on each device's share, ``Sampler._local``). ``placed``: on one device, with
-  the shardings the run's arrays carry (``sampler_weight_shapes``; the KV scales and the decode state replicated on
-  the mesh, as the learner's state and the prefill leave them), so that the programs lower as the run's; False:
-  shapes only (byte counts)."""
+  rollouts run the one-device sampler on each device's share, ``Sampler._local``). ``placed``: where the run rolls
+  out on one device, with the shardings the run's arrays carry (``sampler_weight_shapes``; the KV scales and the
+  decode state replicated on the mesh, as the learner's state and the prefill leave them), so that the programs
+  lower as the run's; False: shapes only (byte counts)."""
   S, i32 = jax.ShapeDtypeStruct, np.int32
   d = sampler.rollout_devices()
   runner = sampler if d == 1 else sampler._local()
   lay, _ = sampler.device_pool(prompts, bucket, max_new_tokens)
+  # placed: only where the plan's one-device programs are the run's (one rollout device; data-parallel rollouts
+  # gather the weights onto each device's own mesh first, Sampler.sampling_form)
+  place = placed and d == 1 and not sharding.multi_device(runner.lcfg.mesh)
   refit = jax.eval_shape(functools.partial(sampler_lib.prepare_params, recipe=sample_recipe), learner.param_shapes())
   if sharding.multi_device(runner.lcfg.mesh):  # one SPMD program over the mesh (nothing fuses there)
     sparams = jax.tree.map(lambda x, s: S(x.shape, x.dtype, sharding=s), refit,
                            sharding.tree_shardings(refit, runner.lcfg.mesh))
-  elif placed:
+  elif place:
     sparams = sampler_weight_shapes(runner, sample_recipe, learner)
   else:
     sparams = runner.fuse_projections_shape(refit)
-  place = placed and not sharding.multi_device(runner.lcfg.mesh)
   rep = jax.sharding.NamedSharding(runner.lcfg.mesh, jax.sharding.PartitionSpec()) if place else None
   n_layers, r = sampler.cfg.n_layers, lay.n_prompts * samples
   toks = S((lay.n_prompts, bucket), i32)
