@@ -174,7 +174,14 @@ def compile_train_step(learner, rows: int, seq: int) -> dict:
 
 
 def _placed(shapes, shardings):
+  """``shapes`` (ShapeDtypeStructs) with ``shardings`` (a matching tree)."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+
+def one_device_rollout(sampler) -> bool:
+  """Whether the run's rollouts are the one-device programs the plan compiles (one rollout device, no mesh),
+  so that the plan can lower them exactly as the run does (``rollout_args``'s ``placed``)."""
+  return sampler.rollout_devices() == 1 and not sharding.multi_device(sampler.lcfg.mesh)
 
 
 def _compiled_shapes(fn, *args, **kw):
@@ -214,17 +221,18 @@ def rollout_args(sampler, sample_recipe, learner, *, prompts: int, samples: int,
   d = sampler.rollout_devices()
   runner = sampler if d == 1 else sampler._local()
   lay, _ = sampler.device_pool(prompts, bucket, max_new_tokens)
-  # placed: only where the plan's one-device programs are the run's (one rollout device; data-parallel rollouts
-  # gather the weights onto each device's own mesh first, Sampler.sampling_form)
-  place = placed and d == 1 and not sharding.multi_device(runner.lcfg.mesh)
-  refit = jax.eval_shape(functools.partial(sampler_lib.prepare_params, recipe=sample_recipe), learner.param_shapes())
-  if sharding.multi_device(runner.lcfg.mesh):  # one SPMD program over the mesh (nothing fuses there)
-    sparams = jax.tree.map(lambda x, s: S(x.shape, x.dtype, sharding=s), refit,
-                           sharding.tree_shardings(refit, runner.lcfg.mesh))
-  elif place:
+  # placed: only where the plan's one-device programs are the run's (data-parallel rollouts gather the weights onto
+  # each device's own mesh first, Sampler.sampling_form)
+  place = placed and one_device_rollout(sampler)
+  if place:
     sparams = sampler_weight_shapes(runner, sample_recipe, learner)
   else:
-    sparams = runner.fuse_projections_shape(refit)
+    refit = jax.eval_shape(functools.partial(sampler_lib.prepare_params, recipe=sample_recipe),
+                           learner.param_shapes())
+    if sharding.multi_device(runner.lcfg.mesh):  # one SPMD program over the mesh (nothing fuses there)
+      sparams = _placed(refit, sharding.tree_shardings(refit, runner.lcfg.mesh))
+    else:
+      sparams = runner.fuse_projections_shape(refit)
   rep = jax.sharding.NamedSharding(runner.lcfg.mesh, jax.sharding.PartitionSpec()) if place else None
   n_layers, r = sampler.cfg.n_layers, lay.n_prompts * samples
   toks = S((lay.n_prompts, bucket), i32)
@@ -289,8 +297,7 @@ def plan(learner, sampler, sample_recipe, *, prompts: int, samples: int, prompt_
   if sampler.rollout_devices() > 1:
     weights = tree_bytes(refit)
   else:
-    weights = tree_bytes(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), refit,
-                                      sharding.tree_shardings(refit, learner.mesh)))
+    weights = tree_bytes(_placed(refit, sharding.tree_shardings(refit, learner.mesh)))
   if lora is not None:  # the sampler runs the state's own base (a copy only when gathered whole per rollout device)
     weights = tree_bytes(state.params) // 2 + (weights if sampler.rollout_devices() > 1 else 0)  # + BF16 adapters
   bucket = sampler.scfg.bucket(prompt_len)
@@ -313,8 +320,7 @@ def plan(learner, sampler, sample_recipe, *, prompts: int, samples: int, prompt_
   for k in compiled_depths(n_layers, alike_train and not full_depth):
     train_at[k] = compile_train_step(learner if k == n_layers else learner.at_depth(k), minibatch, seq)
   t1 = time.perf_counter()
-  one_device = sampler.rollout_devices() == 1 and not sharding.multi_device(sampler.lcfg.mesh)
-  for k in compiled_depths(n_layers, alike_rollout and not (full_depth and one_device)):
+  for k in compiled_depths(n_layers, alike_rollout and not (full_depth and one_device_rollout(sampler))):
     s_k = sampler if k == n_layers else sampler_lib.Sampler(dataclasses.replace(sampler.cfg, n_layers=k),
                                                             sampler.scfg, sampler.lcfg)
     got = compile_rollout(s_k, sample_recipe, learner if k == n_layers else learner.at_depth(k), sp, prompts=prompts,

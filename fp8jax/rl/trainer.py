@@ -266,7 +266,6 @@ class RLTrainer:
     # The plan compiles the run's programs for XLA's temporaries (fp8jax.rl.memory): done here where there is a
     # limit to check against (a GPU's allocator), else on first use of ``memory_plan`` (the CPU has no limit).
     self._plan, self._sample_recipe, limit = None, sample_recipe, memory.device_limit()
-    self._own_device_plan = limit is not None  # programs compiled at full depth: exact, and reused by the run
     if limit is not None:
       memory.check(self.memory_plan, limit)
     self._early_refit = None  # ``_run``'s refit of the next step, dispatched before the previous step's fetch
@@ -287,8 +286,9 @@ class RLTrainer:
   def memory_plan(self) -> memory.MemoryPlan:
     """This run's per-device memory plan (``fp8jax.rl.memory.plan``), made once."""
     if self._plan is None:
+      # where a device's limit is checked (a GPU's allocator): the programs at full depth, exact and reused by the run
       self._plan = _memory_plan(self.c, self.learner, self.worker.sampler, self._sample_recipe, sp=self.worker.sp,
-                                full_depth=self._own_device_plan)
+                                full_depth=memory.device_limit() is not None)
     return self._plan
 
   def _init_state(self) -> TrainState:
