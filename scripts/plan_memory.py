@@ -2,19 +2,22 @@
 --devices=8 [--device_gib=139] [--config.x=y] [--json=PATH]``.
 
 No weights are made and no task or data is read (``fp8jax.rl.trainer.memory_plan``; rows and their exactness:
-``fp8jax/rl/memory.py``). ``--devices=N`` plans for a mesh of N GPUs on this machine's CPU (N fake host devices, so no GPU is needed, and
-the GPU kernels' 128-position KV pages; the mesh comes from the config's ``mesh`` group as in a run); without it,
-for the local devices.
+``fp8jax/rl/memory.py``). ``--devices=N`` plans for a mesh of N GPUs on this machine's CPU (N fake host devices, so
+no GPU is needed, and the GPU kernels' 128-position KV pages; the mesh comes from the config's ``mesh`` group as in a
+run); without it, for the local devices.
 The plan is checked as ``RLTrainer`` checks it before making weights, against ``--device_gib`` (e.g. 139 for an H200's
 usable memory) or the local device's own limit: the exit status is 1 and the message names the keys to change when
 the run would not fit.
 
 ``--measure_steps=N`` (on a GPU) then runs the config's first N RL steps on the local device and prints, beside the
 plan, what the allocator saw: the bytes held once the state is made (before the first step), the peak through
-the first rollout (read when its tokens reach the host) and the peak through the whole step. The plan's phases include
-the temporaries of the run's programs compiled for this GPU (``--notemporaries`` leaves them out), so the difference
-is what the plan misses: the programs' code, fragmentation, buffers alive across programs. Random weights need a
-task that needs no download, e.g. ``--config.task=arithmetic``; ``--config.model.n_layers`` makes the check fit one GPU.
+the first rollout (read when its tokens reach the host) and the peak through the whole step. The plan is then the
+run's own check (``RLTrainer`` plans before making weights), so its full-depth programs are compiled once, for the
+plan and the measured steps alike. The plan's phases include the temporaries of the run's programs compiled for this
+GPU (``--notemporaries`` leaves them out), so the difference is what the plan misses: the programs' code,
+fragmentation, buffers alive across programs. Random weights need a task that needs no download, e.g.
+``--config.task=arithmetic``; ``--config.model.n_layers`` makes the check fit one GPU. ``--device_gib`` is for plans
+only (a measurement holds the device to its own limit).
 """
 
 import os
@@ -38,7 +41,9 @@ if _N:
   os.environ["JAX_PLATFORMS"] = "cpu"
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_N}".strip()
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
+import tempfile  # noqa: E402
 
 import fp8jax  # noqa: E402
 
@@ -60,6 +65,16 @@ _MEASURE = flags.DEFINE_integer("measure_steps", 0, "Then run this many RL steps
                                 "allocator's figures beside the plan (a GPU; see the module docstring).")
 
 
+def _allocator_reader():
+  """``memory.allocator_stats()``, read before any weights: a device without allocator statistics stops here."""
+  from fp8jax.rl import memory  # noqa: PLC0415
+
+  try:
+    return memory.allocator_stats()
+  except ValueError as e:
+    raise app.UsageError(f"--measure_steps: {e}") from e
+
+
 def main(argv):
   del argv
   if _CONFIG.value is None:
@@ -67,7 +82,7 @@ def main(argv):
   if _MEASURE.value and _N:
     raise app.UsageError("--measure_steps runs on the local devices: leave out --devices")
   from fp8jax.rl import memory  # noqa: PLC0415
-  from fp8jax.rl.trainer import memory_plan  # noqa: PLC0415
+  from fp8jax.rl.trainer import RLTrainer, memory_plan  # noqa: PLC0415
 
   if _N:  # planning GPUs on the CPU: the GPU kernels' KV pages (128 positions; the CPU reference's are 16)
     from fp8jax import kvcache  # noqa: PLC0415
@@ -79,50 +94,59 @@ def main(argv):
     raise app.UsageError("--temporaries with --devices: XLA's temporaries come from compiling on the GPU the plan is "
                          "for (run without --devices there); the CPU cannot compile the GPU's KV page layout")
   own = None if _N else memory.device_limit()  # this process's GPU: the programs compiled as the run will (full depth)
-  plan = memory_plan(_CONFIG.value, temporaries=temporaries, target="gpu" if _N else None,
-                     full_depth=own is not None)
-  limit = int(_GIB.value * memory.GIB) if _GIB.value else own
-  print(plan.table())
-  verdict, fits = ("no limit to check against (CPU: pass --device_gib)" if limit is None else None), True
-  try:
-    memory.check(plan, limit)
-  except ValueError as e:
-    verdict, fits = f"does not fit: {e}", False
-  exact = plan.peak(exact_only=True) / memory.GIB
-  unchecked = ("XLA's temporaries not compiled (--notemporaries)" if not plan.compiled else
-               f"XLA's temporaries compiled for {plan.compiled['backend']}, not checked" if plan.estimates else
-               f"XLA's temporaries compiled for {plan.compiled['backend']} included")
-  verdict = verdict or f"fits {limit / memory.GIB:.1f} GiB per device (checked part {exact:.1f} GiB; {unchecked})"
-  print(verdict)
-  result = dict(plan.to_json(), limit=limit, verdict=verdict)
-  if _MEASURE.value and fits:
-    import tempfile  # noqa: PLC0415
-
-    from fp8jax.rl.trainer import RLTrainer  # noqa: PLC0415
-
-    try:  # before any weights: a device without allocator statistics stops here
-      read = memory.allocator_stats()
-    except ValueError as e:
-      raise app.UsageError(f"--measure_steps: {e}") from e
-    with tempfile.TemporaryDirectory() as workdir:
-      got = memory.measure(RLTrainer(_CONFIG.value, workdir), _MEASURE.value, read)
-    result["measured"] = got
-    g = memory.GIB
-    c = plan.compiled
-    if c:
-      print(f"\nXLA's compiled programs ({c['backend']}), GiB per device: " + ", ".join(
-          f"{name} temp {c[name]['temp'] / g:.2f} (depths {c[name]['depths']})" for name in ("train_step", "prefill",
-                                                                                              "decode")))
-    rows = [("state, before the first step", sum(plan.state.values()) / g, got["state_in_use"]),
-            ("peak through the first rollout", plan.phase("rollout") / g, got["rollout_peak"]),
-            ("peak through step 1 (rollout + train)", plan.peak() / g, got["steps"][0]["peak"])]
-    print(f"\nplanned vs measured, GiB (allocator limit {got['limit']:.1f} GiB):")
-    print(f"  {'':40s} {'planned':>9s} {'measured':>9s} {'measured - planned':>19s}")
-    for name, planned, measured in rows:
-      print(f"  {name:40s} {planned:9.2f} {measured:9.2f} {measured - planned:19.2f}")
-    for s in got["steps"]:
-      print(f"  step {s['step']}: peak {s['peak']:.2f} GiB, {s['step_s']:.1f} s (rollout {s['rollout_s']:.1f} s, "
-            f"train {s['train_s']:.1f} s), token_mult_prob_error {s['token_mult_prob_error']}")
+  # Measuring with the temporaries: the plan is the run's own check (RLTrainer plans and checks before making weights),
+  # so the full-depth programs are compiled once, for the plan and the measured steps alike.
+  own_check = bool(_MEASURE.value) and temporaries
+  if own_check and _GIB.value:
+    raise app.UsageError("--measure_steps measures the local device against its own limit: leave out --device_gib")
+  with contextlib.ExitStack() as stack:
+    trainer = None
+    if own_check:
+      read = _allocator_reader()  # before any weights: a device without allocator statistics stops here
+      try:
+        trainer = RLTrainer(_CONFIG.value, stack.enter_context(tempfile.TemporaryDirectory()))
+        plan = trainer.memory_plan
+      except memory.DoesNotFit as e:
+        plan = e.plan
+    else:
+      plan = memory_plan(_CONFIG.value, temporaries=temporaries, target="gpu" if _N else None,
+                         full_depth=own is not None)
+    limit = int(_GIB.value * memory.GIB) if _GIB.value else own
+    print(plan.table())
+    verdict, fits = ("no limit to check against (CPU: pass --device_gib)" if limit is None else None), True
+    try:
+      memory.check(plan, limit)
+    except memory.DoesNotFit as e:
+      verdict, fits = f"does not fit: {e}", False
+    exact = plan.peak(exact_only=True) / memory.GIB
+    unchecked = ("XLA's temporaries not compiled (--notemporaries)" if not plan.compiled else
+                 f"XLA's temporaries compiled for {plan.compiled['backend']}, not checked" if plan.estimates else
+                 f"XLA's temporaries compiled for {plan.compiled['backend']} included")
+    verdict = verdict or f"fits {limit / memory.GIB:.1f} GiB per device (checked part {exact:.1f} GiB; {unchecked})"
+    print(verdict)
+    result = dict(plan.to_json(), limit=limit, verdict=verdict)
+    if _MEASURE.value and fits:
+      if trainer is None:
+        read = _allocator_reader()
+        trainer = RLTrainer(_CONFIG.value, stack.enter_context(tempfile.TemporaryDirectory()))
+      got = memory.measure(trainer, _MEASURE.value, read)
+      result["measured"] = got
+      g = memory.GIB
+      c = plan.compiled
+      if c:
+        print(f"\nXLA's compiled programs ({c['backend']}), GiB per device: " + ", ".join(
+            f"{name} temp {c[name]['temp'] / g:.2f} (depths {c[name]['depths']})" for name in ("train_step", "prefill",
+                                                                                                "decode")))
+      rows = [("state, before the first step", sum(plan.state.values()) / g, got["state_in_use"]),
+              ("peak through the first rollout", plan.phase("rollout") / g, got["rollout_peak"]),
+              ("peak through step 1 (rollout + train)", plan.peak() / g, got["steps"][0]["peak"])]
+      print(f"\nplanned vs measured, GiB (allocator limit {got['limit']:.1f} GiB):")
+      print(f"  {'':40s} {'planned':>9s} {'measured':>9s} {'measured - planned':>19s}")
+      for name, planned, measured in rows:
+        print(f"  {name:40s} {planned:9.2f} {measured:9.2f} {measured - planned:19.2f}")
+      for s in got["steps"]:
+        print(f"  step {s['step']}: peak {s['peak']:.2f} GiB, {s['step_s']:.1f} s (rollout {s['rollout_s']:.1f} s, "
+              f"train {s['train_s']:.1f} s), token_mult_prob_error {s['token_mult_prob_error']}")
   if _JSON.value:
     with open(_JSON.value, "w") as f:
       json.dump(result, f, indent=1)

@@ -376,9 +376,8 @@ def measure(trainer, steps: int, read) -> dict:
   try:
     for i in range(steps):
       m = trainer.step(i)
-      out["steps"].append({"step": i + 1, "peak": read("peak_bytes_in_use") / GIB,
-                           "in_use": read("bytes_in_use") / GIB, "step_s": m["step_s"], "rollout_s": m["rollout_s"],
-                           "train_s": m["train_s"], "token_mult_prob_error": m["token_mult_prob_error"]})
+      out["steps"].append({"step": i + 1, "peak": read("peak_bytes_in_use") / GIB, "in_use": read("bytes_in_use") / GIB,
+                           **{k: float(m[k]) for k in ("step_s", "rollout_s", "train_s", "token_mult_prob_error")}})
   finally:
     del worker.collect  # the bound method again
   out["rollout_peak"] = seen["rollout_peak"]
@@ -391,10 +390,18 @@ def device_limit() -> int | None:
   return stats.get("bytes_limit")
 
 
+class DoesNotFit(ValueError):
+  """``check``'s refusal; ``plan`` is the plan it refused (``scripts/plan_memory.py`` prints it)."""
+
+  def __init__(self, message: str, plan: MemoryPlan):
+    super().__init__(message)
+    self.plan = plan
+
+
 def check(p: MemoryPlan, limit: int | None) -> None:
-  """Raises a ValueError naming the config keys to change when a phase of the plan (its exact buffers and the
-  compiled programs' temporaries, unless compiled for another backend: ``estimates``) does not fit ``limit`` bytes
-  per device (no check when ``limit`` is None)."""
+  """Raises ``DoesNotFit`` (a ValueError) naming the config keys to change when a phase of the plan (its exact
+  buffers and the compiled programs' temporaries, unless compiled for another backend: ``estimates``) does not fit
+  ``limit`` bytes per device (no check when ``limit`` is None)."""
   if limit is None or p.peak(exact_only=True) <= limit:
     return
   phase = "rollout" if p.phase("rollout", exact_only=True) >= p.phase("train", exact_only=True) else "train"
@@ -414,6 +421,6 @@ def check(p: MemoryPlan, limit: int | None) -> None:
              "or train adapters only (lora.rank)")
   share = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
   share = f"XLA_PYTHON_CLIENT_MEM_FRACTION={share}" if share else "XLA_PYTHON_CLIENT_MEM_FRACTION, JAX's default 0.75"
-  raise ValueError(f"this run needs {need / GIB:.1f} GiB per device in its {phase} phase ({parts}; GiB) on a mesh "
+  raise DoesNotFit(f"this run needs {need / GIB:.1f} GiB per device in its {phase} phase ({parts}; GiB) on a mesh "
                    f"of {devices} device(s) {p.mesh}, but a device has {limit / GIB:.1f} GiB (the share of its memory "
-                   f"that JAX's allocator may use: {share}): {hint}. scripts/plan_memory.py prints the whole plan.")
+                   f"that JAX's allocator may use: {share}): {hint}. scripts/plan_memory.py prints the whole plan.", p)
