@@ -13,7 +13,7 @@ import pytest
 
 from fp8jax.rl import memory
 from fp8jax.rl.trainer import RLTrainer, memory_plan
-from test_trainer import small_config
+from test_trainer import small_config, small_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
@@ -119,6 +119,53 @@ def test_measure_reads_the_state_and_each_step(tmp_path):
   assert "collect" not in vars(tr.worker)
   with pytest.raises(ValueError, match="allocator statistics"):
     memory.allocator_stats(jax.devices("cpu")[0])
+
+
+# scripts/plan_memory.py on a stand-in GPU: a device limit to check against, the live arrays' bytes for the
+# allocator's statistics; prints how often each of the run's programs was compiled.
+_STAND_IN_GPU = """
+import json, logging, runpy, sys
+import jax
+from fp8jax.rl import memory
+memory.device_limit = lambda: 64 * memory.GIB
+peak = [0]
+def read(key):
+  if key == "bytes_limit":
+    return 64 * memory.GIB
+  now = sum(x.nbytes for x in jax.live_arrays())
+  peak[0] = max(peak[0], now)
+  return now if key == "bytes_in_use" else peak[0]
+memory.allocator_stats = lambda device=None: read
+seen = set()
+class Compiles(logging.Handler):
+  def emit(self, record):
+    seen.add(record.getMessage())
+logging.getLogger().addHandler(Compiles())
+jax.config.update("jax_log_compiles", True)
+sys.argv = ["plan_memory.py", *sys.argv[1:]]
+try:
+  runpy.run_path("scripts/plan_memory.py", run_name="__main__")
+finally:
+  print("COMPILES " + json.dumps({n: sum(f"Finished XLA compilation of jit({n})" in m for m in seen)
+                                  for n in ("train_step", "_prefill_fn", "_decode_fn")}))
+"""
+
+
+def test_measure_steps_plans_with_the_runs_own_check_and_compiles_each_program_once(tmp_path):
+  """``plan_memory.py --measure_steps`` on a stand-in GPU: the plan it prints is the trainer's own check (the
+  programs at full depth), so the measured step compiles no train step or decode loop again (one prefill more: the
+  BF16-cache calibration of the FP8 KV scales); its JSON holds the plan and the measured step."""
+  out = tmp_path / "plan.json"
+  r = subprocess.run([sys.executable, "-c", _STAND_IN_GPU, *small_flags(**{"model.n_layers": 3}),
+                      "--measure_steps=1", f"--json={out}"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                     env={**os.environ, "PYTHONPATH": REPO})
+  assert r.returncode == 0, r.stderr[-3000:]
+  compiles = json.loads(r.stdout.split("COMPILES ")[-1])
+  assert compiles == {"train_step": 1, "_prefill_fn": 2, "_decode_fn": 1}, compiles
+  got = json.loads(out.read_text())
+  assert got["compiled"]["train_step"]["depths"] == [3]
+  assert got["measured"]["steps"][0]["token_mult_prob_error"] == 1.0
+  assert "planned vs measured" in r.stdout
 
 
 def test_the_plan_adds_the_compiled_programs_temporaries_extrapolated_in_depth(monkeypatch):
