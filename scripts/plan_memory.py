@@ -65,16 +65,6 @@ _MEASURE = flags.DEFINE_integer("measure_steps", 0, "Then run this many RL steps
                                 "allocator's figures beside the plan (a GPU; see the module docstring).")
 
 
-def _allocator_reader():
-  """``memory.allocator_stats()``, read before any weights: a device without allocator statistics stops here."""
-  from fp8jax.rl import memory  # noqa: PLC0415
-
-  try:
-    return memory.allocator_stats()
-  except ValueError as e:
-    raise app.UsageError(f"--measure_steps: {e}") from e
-
-
 def main(argv):
   del argv
   if _CONFIG.value is None:
@@ -99,12 +89,18 @@ def main(argv):
   own_check = bool(_MEASURE.value) and temporaries
   if own_check and _GIB.value:
     raise app.UsageError("--measure_steps measures the local device against its own limit: leave out --device_gib")
+  read = None
+  if _MEASURE.value:  # a device without allocator statistics stops here, before any compile or weights
+    try:
+      read = memory.allocator_stats()
+    except ValueError as e:
+      raise app.UsageError(f"--measure_steps: {e}") from e
   with contextlib.ExitStack() as stack:
+    build = lambda: RLTrainer(_CONFIG.value, stack.enter_context(tempfile.TemporaryDirectory()))  # noqa: E731
     trainer = None
     if own_check:
-      read = _allocator_reader()  # before any weights: a device without allocator statistics stops here
       try:
-        trainer = RLTrainer(_CONFIG.value, stack.enter_context(tempfile.TemporaryDirectory()))
+        trainer = build()
         plan = trainer.memory_plan
       except memory.DoesNotFit as e:
         plan = e.plan
@@ -126,10 +122,7 @@ def main(argv):
     print(verdict)
     result = dict(plan.to_json(), limit=limit, verdict=verdict)
     if _MEASURE.value and fits:
-      if trainer is None:
-        read = _allocator_reader()
-        trainer = RLTrainer(_CONFIG.value, stack.enter_context(tempfile.TemporaryDirectory()))
-      got = memory.measure(trainer, _MEASURE.value, read)
+      got = memory.measure(trainer or build(), _MEASURE.value, read)
       result["measured"] = got
       g = memory.GIB
       c = plan.compiled

@@ -324,8 +324,7 @@ def plan(learner, sampler, sample_recipe, *, prompts: int, samples: int, prompt_
     s_k = sampler if k == n_layers else sampler_lib.Sampler(dataclasses.replace(sampler.cfg, n_layers=k),
                                                             sampler.scfg, sampler.lcfg)
     got = compile_rollout(s_k, sample_recipe, learner if k == n_layers else learner.at_depth(k), sp, prompts=prompts,
-                          samples=samples, bucket=bucket,
-                          max_new_tokens=max_new_tokens)
+                          samples=samples, bucket=bucket, max_new_tokens=max_new_tokens)
     prefill_at[k], decode_at[k] = got["prefill"], got["decode"]
   compile_s = {"train_step": t1 - t0, "rollout": time.perf_counter() - t1}  # the plan's own cost, at start-up
   *_, dstate, _ = rollout_args(sampler, sample_recipe, learner, prompts=prompts, samples=samples,
