@@ -81,7 +81,8 @@ def main(argv):
     print(f"\nnothing to run: the checkpoint in {trainer.workdir} is already at the last step "
           "(--noresume starts over, --steps=N runs further)")
   print(f"\nrun directory: {trainer.workdir}")
-  print(f"validation accuracy: {first.get('val_accuracy', float('nan')):.3f} (after warm-start) -> "
+  start = "after the warm start" if int(config.warmstart.steps) else "the starting model"
+  print(f"validation accuracy: {first.get('val_accuracy', float('nan')):.3f} (step {first.get('step')}, {start}) -> "
         f"{last.get('val_accuracy', float('nan')):.3f} (step {last.get('step')})")
   print(f"metrics: {os.path.join(trainer.workdir, 'metrics.jsonl')}  plot: {os.path.join(trainer.workdir, 'metrics.png')}")
   if trainer.stop_reason is not None:
