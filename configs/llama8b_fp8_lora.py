@@ -14,12 +14,11 @@ math RL ("LoRA without regret", Thinking Machines 2025: RL needs very little cap
 lr 2e-5 (constant after a 10-step warmup): LoRA's optimal LR is ~10x full fine-tuning's (ibid.; llama8b_fp8.py's full
 recipe uses 5e-7 with a larger batch), in the 1e-5..5e-5 range of LoRA GRPO recipes.
 Batch: 8 prompts x 16 generations of 512 + 3584 tokens, microbatch 1, 128 decode slots, sized by
-`python scripts/plan_memory.py --config=configs/llama8b_fp8_lora.py --device_gib=79` (one CPU device; with
-`--devices=1` the planner's rollout compile currently stops on the GPU page size, 2026-12-06). Its exact rows, GiB per
-GPU: state 10.3 (FP8 base 8.46, FP32 adapters 0.62, Adam moments 1.25); rollout + 28.4 FP8 KV pool + 0.31 BF16
-adapters = 39.0; train step + 0.62 adapter gradients = 11.0. The plan's XLA-temporaries rows come from XLA:CPU's
-compile of the CPU reference kernels (it printed 111 and 1938 GiB, which are not GPU figures); on the H100 the GPU
-compiler's buffers replace them.
+`python scripts/plan_memory.py --config=configs/llama8b_fp8_lora.py --devices=1 --device_gib=76 --notemporaries`
+(CPU, the GPU's 128-position KV pages, 2026-12-08). Its exact rows, GiB per GPU: state 10.3 (FP8 base 8.46, FP32
+adapters 0.62, Adam moments 1.25); rollout + 29.3 FP8 KV pool + 0.31 BF16 adapters = 39.9; train step + 0.62 adapter
+gradients = 11.0. XLA's temporaries come on top; on a GPU the trainer compiles the run's programs for them before
+making weights (XLA:CPU's are no guide to the GPU's).
 Measured on one H100 80 GB (2026-12-06, random weights, 32 layers, 4096-token sequences): the trainer's own plan,
 which on a GPU compiles the train step for XLA's temporaries, refused microbatch 2 before making weights: 59.5 GiB
 of temporaries, 70.5 GiB in the train phase against the 59.4 GiB JAX takes by default (75% of the card; BF16 LoRA:

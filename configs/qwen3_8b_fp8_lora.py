@@ -7,10 +7,11 @@ Run (after downloading the model and the prompts):
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python scripts/train.py --config=configs/qwen3_8b_fp8_lora.py \\
       --config.checkpoint.hf_dir=/models/Qwen3-8B --config.data.path=/data/prompts.jsonl
 Hardware: one H100 80 GB or H200. Planned with `python scripts/plan_memory.py --config=configs/qwen3_8b_fp8_lora.py
---config.task=arithmetic --notemporaries --device_gib=76` (2026-12-06, one CPU device; exact rows, GiB per GPU):
-state 10.7 (FP8 base 8.79, FP32 adapters 0.65, Adam moments 1.30); rollout + 31.9 FP8 KV pool + 0.33 BF16 adapters =
-43.0; train step + 0.65 adapter gradients = 11.4. The train step's XLA temporaries come on top and are compiled for
-the GPU when a run starts (the Llama twin's: 28.1 GiB at 4096-token sequences, microbatch 1, docs/results/lora8b_grpo_step_h200.json).
+--devices=1 --device_gib=76 --notemporaries` (CPU, the GPU's KV pages, 2026-12-08; exact rows, GiB per GPU): state
+10.7 (FP8 base 8.79, FP32 adapters 0.65, Adam moments 1.30); rollout + 32.9 FP8 KV pool + 0.33 BF16 adapters = 44.0;
+train step + 0.65 adapter gradients = 11.4. The train step's XLA temporaries come on top and are compiled for the GPU
+when a run starts (the Llama twin's: 28.1 GiB at 4096-token sequences, microbatch 1,
+docs/results/train_step_temps_lora8b_h100.json).
 Measured: not yet run on a GPU.
 """
 
