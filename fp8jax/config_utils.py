@@ -51,6 +51,8 @@ def smoke_shape(c, layers: int, slots: int = 128):
   scripts/check_loop_exactness.py and scripts/bench_grpo_step.py build from a config file, random weights."""
   with c.unlocked():
     c.task = "arithmetic"
+    if "data" in c:
+      c.data.path = ""  # the embedded task replaces the recipe's prompt file
     c.model.n_layers = layers
     c.grpo.num_prompts, c.grpo.num_generations, c.grpo.microbatch, c.grpo.kl_beta = 16, 8, 32, 0.0
     c.rollout.slots, c.rollout.max_len, c.rollout.max_new_tokens, c.rollout.prompt_buckets = slots, 64, 16, (16,)

@@ -9,8 +9,10 @@ import pytest
 
 import child_process
 from fp8jax import lora
+from fp8jax.config_utils import dataclass_from_group
 from fp8jax.model.config import ModelConfig
 from fp8jax.rl import trainer as trainer_lib
+from fp8jax.rl.learner import GRPOConfig, OptimConfig
 
 CONFIGS = os.path.join(child_process.REPO, "configs")
 NAMES = sorted(f[:-3] for f in os.listdir(CONFIGS) if f.endswith(".py") and f not in ("__init__.py", "common.py"))
@@ -43,6 +45,8 @@ def test_every_recipe_is_listed_here():
 def test_every_recipe_loads_and_passes_the_trainers_checks(name):
   c = _config(name)
   trainer_lib.validate_config(c)  # each failure names its key
+  dataclass_from_group(OptimConfig, c.optim, "optim")  # the groups' own checks (unknown keys, ranges)
+  dataclass_from_group(GRPOConfig, c.grpo, "grpo")
   lcfg = lora.LoRAConfig.from_config(c)
   if not c.checkpoint.hf_dir:  # an HF checkpoint brings its own architecture
     lcfg.check_model(ModelConfig.from_config(c.model))

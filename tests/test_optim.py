@@ -158,6 +158,27 @@ def test_config_keys_are_checked_by_name():
   optim.check_offload("none", _NoHostDevice())
 
 
+@pytest.mark.parametrize("key,value,match", [
+    ("lr", -1e-6, r"optim\.lr=-1e-06 must be a finite number >= 0 \(a negative rate ascends the loss\)"),
+    ("lr", float("nan"), r"optim\.lr=nan must be a finite number"),
+    ("schedule", "linear", r"optim\.schedule='linear' is not one of \('constant'"),
+    ("warmup_steps", -1, r"optim\.warmup_steps=-1 must be >= 0"),
+    ("min_lr_ratio", 1.5, r"optim\.min_lr_ratio=1\.5 must be in \[0, 1\]"),
+    ("weight_decay", -0.1, r"optim\.weight_decay=-0\.1 must be >= 0"),
+    ("b1", 1.0, r"optim\.b1=1\.0 must be in \[0, 1\)"),
+    ("b2", -0.5, r"optim\.b2=-0\.5 must be in \[0, 1\)"),
+    ("eps", 0.0, r"optim\.eps=0\.0 must be > 0"),
+    ("grad_clip", -1.0, r"optim\.grad_clip=-1\.0 must be >= 0 \(0 turns clipping off\)"),
+])
+def test_bad_optimizer_values_are_refused_by_name(key, value, match):
+  """A value that would train wrongly without failing (a negative learning rate ascends the loss; b1 = 1 freezes
+  Adam's first moment) is refused when the config is read, naming the key; the defaults and the edges pass."""
+  with pytest.raises(ValueError, match=match):
+    OptimConfig(**{key: value})
+  OptimConfig(lr=0.0, b1=0.0, b2=0.0, grad_clip=0.0, weight_decay=0.0, min_lr_ratio=0.0)
+  OptimConfig(min_lr_ratio=1.0, schedule="cosine", warmup_steps=0)
+
+
 class _NoHostDevice:
   """A device whose backend offers device memory only (as some plugins do)."""
   platform = "fake"

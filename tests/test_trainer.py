@@ -484,9 +484,12 @@ def test_tiny_default_learns(tmp_path):
     ("rollout.max_new_tokens", 17, r"rollout\.max_new_tokens=17 must be in \[1, rollout\.max_len=16\)"),
     ("grpo.microbatch", 0, r"grpo\.microbatch=0 must be >= 1"),
     ("train.collapse_steps", -1, r"train\.collapse_steps=-1 must be >= 0"),
+    ("optim.lr", -1e-3, r"optim\.lr=-0\.001 must be a finite number >= 0"),
+    ("data.path", "/data/prompts.jsonl", r"data\.path='/data/prompts\.jsonl' is set, but task='arithmetic'.*task=math"),
 ])
 def test_bad_config_is_named_before_work_starts(tmp_path, monkeypatch, key, value, match):
-  """Each of these used to run to exit 0 doing nothing, be silently capped, or crash after the warm start."""
+  """Each of these used to run to exit 0 doing nothing, be silently capped or ignored, train the wrong way (a
+  negative learning rate), or crash after the warm start."""
   monkeypatch.setattr(trainer_lib.RLTrainer, "_init_state", lambda self: pytest.fail("work started"))
   with pytest.raises(ValueError, match=match):
     trainer_lib.RLTrainer(small_config(**{key: value}), str(tmp_path))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -101,6 +102,9 @@ class GRPOConfig:
       raise ValueError(f"grpo.router_aux_coef={self.router_aux_coef} must be >= 0")
 
 
+SCHEDULES = ("constant", "warmup_constant", "cosine")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
   lr: float = 1e-3
@@ -120,6 +124,20 @@ class OptimConfig:
   offload: str = "none"
 
   def __post_init__(self):
+    def need(ok, key, why):
+      if not ok:
+        raise ValueError(f"optim.{key}={getattr(self, key)!r} {why}")
+
+    finite = lambda v: isinstance(v, (int, float)) and math.isfinite(v)  # noqa: E731
+    need(finite(self.lr) and self.lr >= 0, "lr", "must be a finite number >= 0 (a negative rate ascends the loss)")
+    need(self.schedule in SCHEDULES, "schedule", f"is not one of {SCHEDULES}")
+    need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+    need(finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+    need(finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0")
+    for key in ("b1", "b2"):
+      need(finite(getattr(self, key)) and 0 <= getattr(self, key) < 1, key, "must be in [0, 1) (Adam's decay rate)")
+    need(finite(self.eps) and self.eps > 0, "eps", "must be > 0 (it keeps Adam's division finite)")
+    need(finite(self.grad_clip) and self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 turns clipping off)")
     if self.state_dtype not in optim.STATE_DTYPES:
       raise ValueError(f"optim.state_dtype={self.state_dtype!r} is not one of {optim.STATE_DTYPES}")
     if self.offload not in optim.OFFLOADS:
@@ -138,7 +156,7 @@ def make_optimizer(oc: OptimConfig, total_steps: int, decay_mask=None):
     sched = optax.warmup_cosine_decay_schedule(0.0, oc.lr, max(oc.warmup_steps, 1), max(total_steps, 2),
                                                end_value=oc.lr * oc.min_lr_ratio)
   else:
-    raise ValueError(f"optim.schedule={oc.schedule!r} is not 'constant', 'warmup_constant' or 'cosine'")
+    raise ValueError(f"optim.schedule={oc.schedule!r} is not one of {SCHEDULES}")
   if oc.state_dtype == "float32":
     adam = optax.adamw(sched, b1=oc.b1, b2=oc.b2, eps=oc.eps, weight_decay=oc.weight_decay, mask=decay_mask)
   else:  # the same chain with the moments stored narrower (fp8jax.optim: the rounding)

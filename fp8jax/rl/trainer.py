@@ -105,6 +105,10 @@ def validate_config(c) -> None:
       raise ValueError(f"{key}={c[group][field]!r} {why}")
 
   need(int(c.train.steps) >= 0, "train.steps", "must be >= 0 (0 runs the warm start and the first validation only)")
+  if c.get("task") == "arithmetic" and "data" in c:
+    need(not c.data.get("path"), "data.path",
+         "is set, but task='arithmetic' (the embedded task) reads no prompt file: add --config.task=math to train on "
+         "the file, or leave data.path empty")
   need(int(c.train.val_every) >= 1, "train.val_every",
        "must be >= 1 (validation runs every val_every steps and at the last one; a value above train.steps "
        "validates at the end only)")
