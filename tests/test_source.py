@@ -8,12 +8,15 @@ import fp8jax
 import json
 import os
 import sys
+import types
 
+import numpy as np
 import pytest
 
 from configs import llama8b_fp8
 from fp8jax import hf
-from fp8jax.rl import data, source
+from fp8jax.rl import data, rewards, source
+from fp8jax.rl import trainer as trainer_lib
 from fp8jax.rl.math_source import MathSource
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -72,3 +75,57 @@ def test_math_source_refuses_a_checkpoint_of_other_data(math_config):
   c.data.val_size = 10
   with pytest.raises(ValueError, match=r"num_examples|training split's size: 32 in the checkpoint, 30 now"):
     MathSource(c).load_state(src.state())
+
+
+def _rollout(tok, texts):
+  """A sampler.Rollout's fields the sources read: right-padded token rows and their lengths."""
+  ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+  tokens = np.zeros((len(ids), max(map(len, ids))), np.int32)
+  for i, row in enumerate(ids):
+    tokens[i, :len(row)] = row
+  return types.SimpleNamespace(tokens=tokens, lengths=np.array([len(r) for r in ids]))
+
+
+def test_data_reward_names_the_users_own_function(math_config):
+  """data.reward = "package.module:function" scores every completion with that function (here one that needs no
+  \\boxed{}, so math-verify's scores differ); "math" is math-verify's."""
+  c = math_config.copy_and_resolve_references()
+  c.data.reward = "reward_examples:answer_in_completion"
+  src = MathSource(c)
+  assert src.reward_fn is rewards.resolve_reward(c.data.reward)
+  texts = ["the answer is four", "two plus two is four", "so two"]  # words the tiny tokenizer round-trips
+  ro = _rollout(src.tok, texts)
+  decoded = [src.tok.decode(list(ro.tokens[i, :ro.lengths[i]])) for i in range(len(texts))]
+  assert decoded == texts
+  import reward_examples  # noqa: PLC0415  (tests/ is on sys.path, as a user's package would be)
+
+  got = src.score(ro, ["four"] * len(texts))
+  assert got.dtype == np.float32
+  np.testing.assert_array_equal(got, [reward_examples.answer_in_completion(t, "four") for t in texts])
+  np.testing.assert_array_equal(got, [1.5, 1.0, 0.0])
+  # the default, math-verify, reads only a \\boxed{} answer: none here
+  np.testing.assert_array_equal(MathSource(math_config).score(ro, ["four"] * len(texts)), [0.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("exact", r"data\.reward='exact' is not one of \['math'\] and not of the form 'package\.module:function'"),
+    ("no_such_module_xyz:f", r"data\.reward='no_such_module_xyz:f': module 'no_such_module_xyz' cannot be imported"),
+    ("reward_examples:missing", r"data\.reward='reward_examples:missing': 'reward_examples' has no attribute"),
+    ("reward_examples:NOT_CALLABLE", r"reward_examples\.NOT_CALLABLE is a float, not a function"),
+])
+def test_a_bad_data_reward_is_named_before_work_starts(math_config, spec, match):
+  c = math_config.copy_and_resolve_references()
+  c.data.reward = spec
+  with pytest.raises(ValueError, match=match):
+    trainer_lib.validate_config(c)
+
+
+@pytest.mark.parametrize("name,match", [("raises", r"KeyError: .a bug in the user's reward"),
+                                        ("not_finite", r"non-finite values at indices \[0, 1\]")])
+def test_a_failing_user_reward_stops_the_step_naming_data_reward(math_config, name, match):
+  c = math_config.copy_and_resolve_references()
+  c.data.reward = f"reward_examples:{name}"
+  src = MathSource(c)
+  with pytest.raises(RuntimeError, match=rf"data\.reward='reward_examples:{name}' failed while scoring 2 "
+                                         rf"completions: .*{match}"):
+    src.score(_rollout(src.tok, ["a", "b"]), ["1", "2"])

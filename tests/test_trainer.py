@@ -486,6 +486,7 @@ def test_tiny_default_learns(tmp_path):
     ("train.collapse_steps", -1, r"train\.collapse_steps=-1 must be >= 0"),
     ("optim.lr", -1e-3, r"optim\.lr=-0\.001 must be a finite number >= 0"),
     ("data.path", "/data/prompts.jsonl", r"data\.path='/data/prompts\.jsonl' is set, but task='arithmetic'.*task=math"),
+    ("data.reward", "mypkg:score", r"data\.reward='mypkg:score' is set, but task='arithmetic' .*task=math"),
 ])
 def test_bad_config_is_named_before_work_starts(tmp_path, monkeypatch, key, value, match):
   """Each of these used to run to exit 0 doing nothing, be silently capped or ignored, train the wrong way (a

@@ -39,9 +39,11 @@ def chat_prompt_ids(tok: hf.Tokenizer, text: str) -> list[int]:
 def greedy_math(hf_dir: str, path: str, *, n: int, template: str = data.PLACEHOLDER, max_new_tokens: int = 256,
                 recipe: recipes.Recipe = recipes.Recipe(mode="bf16"), slots: int = 32,
                 prompt_buckets: tuple[int, ...] = (128, 256, 384, 512), timeout_s: float = 5.0,
-                params=None) -> EvalResult:
+                params=None, reward: str = "math") -> EvalResult:
   """Greedy accuracy on the first ``n`` records of ``path`` (module docstring). ``params``: master params already
-  loaded from ``hf_dir`` (else loaded here)."""
+  loaded from ``hf_dir`` (else loaded here). ``reward``: the score, as a config's ``data.reward`` names it ("math",
+  or "package.module:function": ``fp8jax.rl.rewards.resolve_reward``); the accuracy is its mean."""
+  reward_fn = rewards.resolve_reward(reward, "reward")
   tok = hf.load_tokenizer(hf_dir)
   if not tok.eos_ids:
     raise ValueError(f"{hf_dir}: no eos id in tokenizer_config.json, generation_config.json or config.json; "
@@ -68,7 +70,7 @@ def greedy_math(hf_dir: str, path: str, *, n: int, template: str = data.PLACEHOL
   seconds = time.perf_counter() - t0
   texts = [tok.decode(list(ro.tokens[i, :ro.lengths[i]]), skip_special_tokens=True) for i in range(len(prompts))]
   answers = [e.answer for e in examples]
-  scores = rewards.score_batch(texts, answers, rewards.math_reward, timeout_s=timeout_s)
+  scores = rewards.score_batch(texts, answers, reward_fn, timeout_s=timeout_s)
   stopped = ro.finish_reason == sampler_lib.FINISH_STOP
   rows = [{"index": e.index, "answer": a, "reward": float(r), "length": int(ln), "stopped": bool(st),
            "completion": t} for e, a, r, ln, st, t in zip(examples, answers, scores, ro.lengths, stopped, texts)]

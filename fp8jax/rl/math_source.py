@@ -2,7 +2,8 @@
 
 Prompts come from ``fp8jax.rl.data`` (jsonl/parquet, configurable fields, template), are wrapped in the model's chat
 template through the HF tokenizer (``fp8jax.hf.load_tokenizer``), and are scored by math-verify on the last
-``\\boxed{}`` of the completion (``fp8jax.rl.rewards.math_reward``, binary, with a per-sample timeout).
+``\\boxed{}`` of the completion (``fp8jax.rl.rewards.math_reward``, binary, with a per-sample timeout), or by the
+function ``data.reward`` names (``fp8jax.rl.rewards.resolve_reward``: your own reward on your own prompt file).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class MathSource:
     self.eos_id = self.tok.eos_ids[0]
     self.eos_ids = tuple(self.tok.eos_ids)
     self.timeout_s = float(getattr(d, "reward_timeout_s", 5.0))
+    self.reward_spec = d.get("reward", "math")
+    self.reward_fn = rewards.resolve_reward(self.reward_spec)
 
   def _encode(self, prompts):
     return [list(self.tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
@@ -69,7 +72,13 @@ class MathSource:
 
   def score(self, ro, answers):
     texts = [self.tok.decode(list(ro.tokens[i, :ro.lengths[i]])) for i in range(len(answers))]
-    return np.asarray(rewards.score_batch(texts, list(answers), rewards.math_reward, timeout_s=self.timeout_s))
+    try:
+      return np.asarray(rewards.score_batch(texts, list(answers), self.reward_fn, timeout_s=self.timeout_s))
+    except Exception as e:
+      if self.reward_fn is rewards.math_reward:
+        raise
+      raise RuntimeError(f"data.reward={self.reward_spec!r} failed while scoring {len(texts)} completions: "
+                         f"{type(e).__name__}: {e}") from e
 
   def state(self):
     return {"data": {"seed": self.seed, "batch_size": self.batch_size, "num_examples": len(self.train)}}

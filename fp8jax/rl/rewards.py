@@ -17,6 +17,12 @@ alarms and enforces one budget for the whole sample itself:
 
 ``score_batch(..., num_workers=N)`` spreads a batch over N spawned worker processes (the same workers), which is
 also how to use more cores for a large batch.
+
+Your own reward. A prompt-file run (``task = "math"``) scores completions with the function ``data.reward`` names:
+``"math"`` (``math_reward``, the default) or ``"package.module:function"``, any importable function
+``(completion: str, answer: str) -> float`` (``answer`` is the prompt file's ``data.answer_field``). It runs in the
+trainer's process, on every completion of every step and validation; it must return a finite number (GRPO
+normalizes within each prompt's group, so any scale works), and an exception it raises stops the run naming it.
 """
 
 from __future__ import annotations
@@ -159,6 +165,37 @@ def math_reward(completion_text: str, answer_text: str, timeout_s: float = 5.0) 
   if threading.current_thread() is threading.main_thread() or os.name != "posix":
     return _math_reward_here(completion_text, answer_text, timeout_s)
   return _WorkerPool.get(1).run_one(_math_reward_here, (completion_text, answer_text, timeout_s), timeout_s)
+
+
+REWARDS = {"math": math_reward}
+
+
+def resolve_reward(spec: str, key: str = "data.reward") -> Callable[[str, str], float]:
+  """The reward function a config names: a name of ``REWARDS`` or ``"package.module:function"`` (module docstring).
+  Errors name ``key`` and say what is wrong (no such module or attribute, not callable)."""
+  import importlib  # noqa: PLC0415
+
+  if not isinstance(spec, str) or not spec:
+    raise ValueError(f"{key}={spec!r} must be one of {sorted(REWARDS)} or 'package.module:function'")
+  if spec in REWARDS:
+    return REWARDS[spec]
+  module, sep, name = spec.partition(":")
+  if not sep or not module or not name:
+    raise ValueError(f"{key}={spec!r} is not one of {sorted(REWARDS)} and not of the form "
+                     f"'package.module:function' (a function (completion: str, answer: str) -> float)")
+  try:
+    mod = importlib.import_module(module)
+  except ImportError as e:
+    raise ValueError(f"{key}={spec!r}: module {module!r} cannot be imported ({e}); is it on PYTHONPATH?") from e
+  fn = mod
+  for part in name.split("."):
+    if not hasattr(fn, part):
+      raise ValueError(f"{key}={spec!r}: {module!r} has no attribute {name!r}")
+    fn = getattr(fn, part)
+  if not callable(fn):
+    raise ValueError(f"{key}={spec!r}: {module}.{name} is a {type(fn).__name__}, not a function "
+                     f"(completion: str, answer: str) -> float")
+  return fn
 
 
 # ------------------------------------------------------------------------------------------------------------------

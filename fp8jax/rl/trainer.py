@@ -58,7 +58,7 @@ from fp8jax.config_utils import dataclass_from_group, override
 from fp8jax.metrics import MetricsWriter, plot
 from fp8jax.model import llama
 from fp8jax.model.config import ModelConfig
-from fp8jax.rl import memory, rollout
+from fp8jax.rl import memory, rewards, rollout
 from fp8jax.rl.learner import GRPOConfig, Learner, OptimConfig, TrainState, n_with_advantage
 from fp8jax.rl.source import make_source
 
@@ -109,6 +109,11 @@ def validate_config(c) -> None:
     need(not c.data.get("path"), "data.path",
          "is set, but task='arithmetic' (the embedded task) reads no prompt file: add --config.task=math to train on "
          "the file, or leave data.path empty")
+    need(c.data.get("reward", "math") == "math", "data.reward",
+         "is set, but task='arithmetic' (the embedded task) scores its own answers: add --config.task=math with a "
+         "data.path to use this reward")
+  elif c.get("task") == "math":
+    rewards.resolve_reward(c.data.get("reward", "math"))  # an unknown or unimportable reward, named before work
   need(int(c.train.val_every) >= 1, "train.val_every",
        "must be >= 1 (validation runs every val_every steps and at the last one; a value above train.steps "
        "validates at the end only)")
