@@ -129,3 +129,61 @@ def test_a_failing_user_reward_stops_the_step_naming_data_reward(math_config, na
   with pytest.raises(RuntimeError, match=rf"data\.reward='reward_examples:{name}' failed while scoring 2 "
                                          rf"completions: .*{match}"):
     src.score(_rollout(src.tok, ["a", "b"]), ["1", "2"])
+
+
+class FlatRewardSource:
+  """A user's own task, passed as RLTrainer(..., source=it): the arithmetic prompts, a reward of its own (every
+  completion 0.25, so every group agrees), and a state of its own in the checkpoints."""
+
+  def __init__(self, config, tag="mine"):
+    self.inner = source.ArithmeticSource(config)
+    self.pad_id, self.eos_ids, self.tag = self.inner.pad_id, self.inner.eos_ids, tag
+    self.scored = []
+
+  def train_prompts(self, n, step):
+    return self.inner.train_prompts(n, step)
+
+  def validation(self, n):
+    return self.inner.validation(n)
+
+  def score(self, ro, answers):
+    self.scored.append(len(answers))
+    return np.full(len(answers), 0.25, np.float32)
+
+  def supervised_examples(self, n, step, seq_len):
+    return self.inner.supervised_examples(n, step, seq_len)
+
+  def state(self):
+    return {"my_task": self.tag}
+
+  def load_state(self, meta):
+    if meta.get("my_task") != self.tag:
+      raise ValueError(f"checkpoint of task {meta.get('my_task')!r}, not {self.tag!r}")
+
+
+def test_a_users_own_source_drives_the_loop_and_its_checkpoints(tmp_path):
+  """RLTrainer(..., source=src) draws prompts from src, scores every rollout and validation with it, and writes its
+  state() into the checkpoints (a resume with another state is refused by its load_state)."""
+  c = small_config(**{"train.steps": 1})
+  src = FlatRewardSource(c)
+  tr = trainer_lib.RLTrainer(c, str(tmp_path), source=src)
+  assert tr.task is src
+  rows = tr.run(1, progress=False)
+  step = next(r for r in rows if "reward_mean" in r)
+  assert step["reward_mean"] == 0.25 and step["no_signal_groups_frac"] == 1.0  # its reward, groups all agree
+  assert [r["val_accuracy"] for r in rows if "val_accuracy" in r] == [0.25, 0.25]  # step 0 and the last
+  n_rollout = c.grpo.num_prompts * c.grpo.num_generations
+  assert n_rollout in src.scored and src.scored.count(c.train.val_prompts) >= 2
+  with pytest.raises(ValueError, match="checkpoint of task 'mine', not 'other'"):
+    trainer_lib.RLTrainer(c, str(tmp_path), source=FlatRewardSource(c, tag="other")).restore()
+
+
+def test_a_source_missing_members_or_with_foreign_token_ids_is_refused(tmp_path):
+  c = small_config()
+  good = FlatRewardSource(c)
+  bad = types.SimpleNamespace(pad_id=0, eos_ids=(1,), train_prompts=good.train_prompts)
+  with pytest.raises(TypeError, match=r"lacks \['validation', 'score', 'supervised_examples', 'state', 'load_state'\]"):
+    trainer_lib.RLTrainer(c, str(tmp_path), source=bad)
+  good.eos_ids = (c.model.vocab_size,)
+  with pytest.raises(ValueError, match=r"token ids in \[0, model.vocab_size=\d+\)"):
+    trainer_lib.RLTrainer(c, str(tmp_path), source=good)

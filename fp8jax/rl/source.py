@@ -3,7 +3,8 @@
 The loop (``fp8jax.rl.trainer.RLTrainer``) and its rollout worker talk to their task only through these members.
 Two sources implement them: the embedded arithmetic task (``ArithmeticSource`` below) and local math prompt files
 (``fp8jax.rl.math_source.MathSource``); ``make_source`` picks one by the config's ``task``; ``tests/test_source.py``
-checks both against the rules below.
+checks both against the rules below. Your own task is an object with these members, passed as
+``RLTrainer(config, workdir, source=it)`` (``check_source`` checks the members and token ids it can).
 
 Rules (what makes a run resumable and its batches independent of who else asked for prompts):
 
@@ -108,6 +109,21 @@ class ArithmeticSource:
 
   def load_state(self, meta):
     self.task.load_state(meta["task"])
+
+
+def check_source(src, vocab_size: int) -> PromptSource:
+  """``src`` if it has every member of ``PromptSource`` and token ids the model has; else a TypeError / ValueError
+  naming what is missing or wrong (a user's own source, ``RLTrainer(..., source=src)``)."""
+  members = ("pad_id", "eos_ids", "train_prompts", "validation", "score", "supervised_examples", "state", "load_state")
+  missing = [m for m in members if not hasattr(src, m)]
+  if missing:
+    raise TypeError(f"source {type(src).__name__} lacks {missing} of the PromptSource interface "
+                    f"(fp8jax/rl/source.py: {', '.join(members)})")
+  ids = [src.pad_id, *src.eos_ids]
+  if not src.eos_ids or any(not isinstance(i, (int, np.integer)) or not 0 <= i < vocab_size for i in ids):
+    raise ValueError(f"source {type(src).__name__}: pad_id={src.pad_id!r} and eos_ids={tuple(src.eos_ids)!r} must be "
+                     f"token ids in [0, model.vocab_size={vocab_size}), at least one eos id")
+  return src
 
 
 def make_source(config, vocab_size: int) -> PromptSource:

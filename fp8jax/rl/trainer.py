@@ -60,7 +60,7 @@ from fp8jax.model import llama
 from fp8jax.model.config import ModelConfig
 from fp8jax.rl import memory, rewards, rollout
 from fp8jax.rl.learner import GRPOConfig, Learner, OptimConfig, TrainState, n_with_advantage
-from fp8jax.rl.source import make_source
+from fp8jax.rl.source import PromptSource, check_source, make_source
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,9 @@ class Launched:
 class RLTrainer:
   """The host loop of one run (built from a ConfigDict): its learner, rollout worker, task, state and writers."""
 
-  def __init__(self, config, workdir: str | None = None, *, devices=None):
+  def __init__(self, config, workdir: str | None = None, *, devices=None, source: PromptSource | None = None):
+    """``source``: your own task (prompts, answers, rewards) as a ``fp8jax.rl.source.PromptSource``, in place of the
+    one the config's ``task`` names; its ``state()`` goes into the checkpoints and is checked on resume."""
     validate_config(config)
     self.c = config = resolve_assets(config)
     self.workdir = workdir or config.workdir
@@ -256,7 +258,8 @@ class RLTrainer:
     # (and the FP8 KV cache if set) in the sampler and BF16 in the trainer (recipes.Recipe).
     sample_recipe, train_recipe = self.recipe.sampler_side(), self.recipe.trainer_side()
     r = config.rollout
-    self.task = make_source(config, self.cfg.vocab_size)
+    self.task = make_source(config, self.cfg.vocab_size) if source is None else check_source(source,
+                                                                                              self.cfg.vocab_size)
     sp = sampler_lib.SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                     max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(self.task.eos_ids))
     if sample_recipe.mode == "fp8" and self.cfg.fp8_shape_problems():
