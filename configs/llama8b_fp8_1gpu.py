@@ -7,7 +7,7 @@ Run (one H200, after downloading the model and the prompts):
       --config.checkpoint.hf_dir=/models/Llama-3.1-8B-Instruct --config.data.path=/data/openmathinstruct2.jsonl
 Memory per GPU, planned from shapes (`python scripts/plan_memory.py --config=configs/llama8b_fp8_1gpu.py --devices=1
 --device_gib=139 --notemporaries`, CPU, 2026-12-06): state 68.3 GiB (FP32 master 29.9, BF16 Adam moments 29.9,
-FP8 KL reference 8.5), rollout phase 106.8 GiB (+ sampler weights 8.5, FP8 KV pool 30.0), train phase 98.2 GiB
+FP8 KL reference 8.5), rollout phase 106.7 GiB (+ sampler weights 8.5, FP8 KV pool 30.0), train phase 98.2 GiB
 (+ FP32 gradient accumulator 29.9): fits 139 GiB before XLA's temporaries, which leave 32-41 GiB for them. The
 temporaries of the train step, prefill and decode loop are compiled for the GPU when the trainer starts (the
 constructor refuses the run, naming the keys, if they do not fit); XLA:CPU's are no guide to the GPU's. Not yet

@@ -29,7 +29,7 @@ again: ~3-4 minutes to the end of the first step).
 Measured at full depth on one H200 (2026-12-06, random weights, docs/results/lora8b_grpo_step_h200.json; a smaller
 batch than this config's, 4 prompts x 8 samples on 32 slots, 4096-token sequences, microbatch 1): GRPO step 59.0 s
 vs BF16 LoRA 68.9 s (1.17x; rollout 44.1 vs 51.2 s, train 14.9 vs 17.7 s), token_mult_prob_error 1.0, peak 40.8 GiB
-(plan 46.1). At 32 sequences a decode step costs ~12 ms in either precision, far above the time to read the
+(plan 46.1). At 32 sequences a decode step costs ~12 ms (FP8) and ~14 ms (BF16), far above the time to read the
 weights, so FP8's halved weight traffic shows little; this config's 128 slots is the shape to measure next.
 """
 

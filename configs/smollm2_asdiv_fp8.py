@@ -11,13 +11,15 @@ Measured: H100 80GB, 2026-12-07, this config (lr 3e-5, 40 steps), 3 seeds per re
           problems 4.7% at the start -> BF16 15.1% +- 2.0, FP8 end to end 11.6% +- 6.0 at step 40 (FP8 seeds 14.5,
           15.6 and 4.7: in that run every group's rewards agreed, so GRPO had no signal; the trainer warns when that
           lasts train.collapse_steps steps); PPO ratio and token_mult_prob_error exactly 1.0 at every step in both.
-          A GRPO step alone on the GPU: FP8 4.0 s vs BF16 5.7 s (docs/results/smollm2_step_time_alone_h100.json).
+          A GRPO step alone on the GPU, before those runs' trainer fixes: FP8 4.0 s vs BF16 5.7 s
+          (docs/results/smollm2_step_time_alone_h100.json).
           The first step compiles (~95 s on an H200).
 Why lr 3e-5 (15x the 1e-6..5e-6 usual for full fine-tuning at this size): the checkpoint is BF16, so the FP32
           master starts exactly on the BF16 grid, and an update reaches the BF16 weights the policy runs only once the
           master has moved half a BF16 spacing. At 2e-6 the BF16 recipe's weights receive ~2% of the first 10 steps'
           update and did not move in 20 steps (4.7% -> 4.4%), while FP8's moved at once; at 3e-5 they receive 33% by
-          step 10 (scripts/update_visibility.py --lr 3e-5 --warmup 10), so both recipes learn from the first steps.
+          step 10 (scripts/update_visibility.py --hf_dir smollm2-135m-instruct --lr 3e-5
+          --warmup 10), so both recipes learn from the first steps.
           Longer runs at this rate are not yet measured.
 Why temperature 0.7: at 1.0 (BF16, H200, 6 steps) the samples almost never score (reward 0.000-0.004), so nearly
           every group of 8 has no correct answer and no advantage.

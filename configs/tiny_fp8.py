@@ -7,7 +7,7 @@ Task:     two-digit addition, operands zero-padded, answer least-significant dig
 Runtime:  5-9 minutes on 2 CPU cores, by machine: 300 warm-start steps (~1-1.5 min), 200 GRPO steps (1.0-1.9 s each).
 Result:   greedy validation accuracy on 256 held-out problems 0.832 after the warm-start -> 0.969 after GRPO on one
           AMD EPYC machine (2026-12-04, commit 5138c09; 0.887 -> 0.977 on another, 2026-12-01). XLA:CPU rounds
-          differently per CPU, so the curve differs by machine (README "Tiny default: measured").
+          differently per CPU, so the curve differs by machine (README "Two commands").
 """
 
 import ml_collections
