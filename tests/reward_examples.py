@@ -15,3 +15,8 @@ def raises(completion: str, answer: str) -> float:
 
 def not_finite(completion: str, answer: str) -> float:
   return float("nan")
+
+
+def exact(completion: str, answer: str) -> float:
+  """1.0 only when the completion's text is exactly the answer (sensitive to anything else in it)."""
+  return float(completion == answer)

@@ -103,6 +103,13 @@ def test_data_reward_names_the_users_own_function(math_config):
   assert got.dtype == np.float32
   np.testing.assert_array_equal(got, [reward_examples.answer_in_completion(t, "four") for t in texts])
   np.testing.assert_array_equal(got, [1.5, 1.0, 0.0])
+  # the function gets the completion's text without special tokens: a stop token ends a sampled row
+  c.data.reward = "reward_examples:exact"
+  src = MathSource(c)
+  ro = _rollout(src.tok, ["four", "four", "four plus"])
+  ro.tokens[0, ro.lengths[0]] = src.eos_id
+  ro.lengths[0] += 1  # row 0: "four" and its stop token (a sampler's length counts it)
+  np.testing.assert_array_equal(src.score(ro, ["four"] * 3), [1.0, 1.0, 0.0])
   # the default, math-verify, reads only a \\boxed{} answer: none here
   np.testing.assert_array_equal(MathSource(math_config).score(ro, ["four"] * len(texts)), [0.0, 0.0, 0.0])
 
