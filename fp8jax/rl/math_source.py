@@ -72,7 +72,8 @@ class MathSource:
 
   def score(self, ro, answers):
     # the completion's text without special tokens (its stop token), as scripts/eval_math.py scores it
-    texts = [self.tok.decode(list(ro.tokens[i, :ro.lengths[i]]), skip_special_tokens=True) for i in range(len(answers))]
+    texts = [self.tok.decode(list(ro.tokens[i, :ro.lengths[i]]), skip_special_tokens=True)
+             for i in range(len(answers))]
     try:
       return np.asarray(rewards.score_batch(texts, list(answers), self.reward_fn, timeout_s=self.timeout_s))
     except Exception as e:

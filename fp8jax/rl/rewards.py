@@ -21,9 +21,9 @@ also how to use more cores for a large batch.
 Your own reward. A prompt-file run (``task = "math"``) scores completions with the function ``data.reward`` names:
 ``"math"`` (``math_reward``, the default) or ``"package.module:function"``, any importable function
 ``(completion: str, answer: str) -> float`` (``completion`` is the completion's text without special tokens such as
-its stop token; ``answer`` is the prompt file's ``data.answer_field``). It runs in the
-trainer's process, on every completion of every step and validation; it must return a finite number (GRPO
-normalizes within each prompt's group, so any scale works), and an exception it raises stops the run naming it.
+its stop token; ``answer`` is the prompt file's ``data.answer_field``). It runs in the trainer's process, on every
+completion of every step and validation; it must return a finite number (GRPO normalizes within each prompt's group,
+so any scale works), and an exception it raises stops the run naming it.
 """
 
 from __future__ import annotations
