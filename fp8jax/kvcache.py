@@ -31,13 +31,28 @@ default 1.25) leaves headroom for values larger than those seen; larger values s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from fp8jax import quant
-from pallas_kernels.attention import key_block, pair_order
+from pallas_kernels.attention import BLOCK_KV, key_block, pair_order
+
+
+@contextlib.contextmanager
+def gpu_pages():
+  """Inside, ``key_block()`` is the GPU kernels' page size (BLOCK_KV positions) on any backend: the exact rows of a
+  memory plan for a GPU made on the CPU, whose reference attention pages are smaller (``scripts/plan_memory.py
+  --devices``; the CPU reference cannot compile programs on these pages, so such a plan has no temporaries)."""
+  global key_block
+  own = key_block
+  key_block = lambda: BLOCK_KV  # noqa: E731
+  try:
+    yield
+  finally:
+    key_block = own
 
 
 @jax.tree_util.register_dataclass

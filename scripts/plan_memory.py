@@ -74,11 +74,6 @@ def main(argv):
   from fp8jax.rl import memory  # noqa: PLC0415
   from fp8jax.rl.trainer import RLTrainer, memory_plan  # noqa: PLC0415
 
-  if _N:  # planning GPUs on the CPU: the GPU kernels' KV pages (128 positions; the CPU reference's are 16)
-    from fp8jax import kvcache  # noqa: PLC0415
-    from pallas_kernels.attention import BLOCK_KV  # noqa: PLC0415
-
-    kvcache.key_block = lambda: BLOCK_KV
   temporaries = _TEMPS.value if _TEMPS.value is not None else not _N
   if temporaries and _N:
     raise app.UsageError("--temporaries with --devices: XLA's temporaries come from compiling on the GPU the plan is "
@@ -104,9 +99,12 @@ def main(argv):
         plan = trainer.memory_plan
       except memory.DoesNotFit as e:
         plan = e.plan
-    else:
-      plan = memory_plan(_CONFIG.value, temporaries=temporaries, target="gpu" if _N else None,
-                         full_depth=own is not None)
+    else:  # planning GPUs on the CPU: the GPU kernels' KV pages (128 positions; the CPU reference's are 16)
+      from fp8jax import kvcache  # noqa: PLC0415
+
+      with kvcache.gpu_pages() if _N else contextlib.nullcontext():
+        plan = memory_plan(_CONFIG.value, temporaries=temporaries, target="gpu" if _N else None,
+                           full_depth=own is not None)
     limit = int(_GIB.value * memory.GIB) if _GIB.value else own
     print(plan.table())
     verdict, fits = ("no limit to check against (CPU: pass --device_gib)" if limit is None else None), True

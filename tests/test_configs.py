@@ -76,13 +76,12 @@ import jax
 from fp8jax import kvcache
 from fp8jax.rl import memory
 from fp8jax.rl.trainer import memory_plan
-from pallas_kernels.attention import BLOCK_KV
 
-kvcache.key_block = lambda: BLOCK_KV  # the GPU kernels' KV pages (scripts/plan_memory.py --devices does the same)
 out = {}
 for name, (n, gib) in %r.items():
   c = importlib.import_module("configs." + name).get_config()
-  p = memory_plan(c, devices=jax.devices()[:n], temporaries=False, target="gpu")
+  with kvcache.gpu_pages():  # the GPU's KV pages, as scripts/plan_memory.py --devices plans them
+    p = memory_plan(c, devices=jax.devices()[:n], temporaries=False, target="gpu")
   try:
     memory.check(p, int(gib * memory.GIB))
     verdict = "fits"
